@@ -1,0 +1,565 @@
+"""Checksum math for any contraction: encode, verify, locate, correct; and the tolerance model.
+
+For ``C = A·B`` (any batch dims; any einsum that is a pure contraction), the column checksum
+``eᵀC = (eᵀA)B`` and the row checksum ``Ce = A(Be)`` are computed from the inputs (an O(1/n)
+extra cost), then compared with the sums of the ``C`` actually produced. A mismatch larger than
+the round-off bound flags a row and/or a column; their intersection, or a non-finite or near-INF
+element in a flagged line, locates the error. An isolated element is corrected from its
+checksum (the checksum minus the sum of the rest of its column or row); a single bad row or
+column is recomputed from ``A`` and ``B``; anything beyond that is counted *uncorrectable*.
+
+The clean path is the GEMM, the two checksum products, two bound products (``|A|·|B|``) and one
+fused read of ``C``; locating and correcting runs under ``lax.cond`` only when something is
+flagged, so a clean step has no extra pass and no host sync.
+
+Tolerance model (first-order worst-case round-off; Higham, *Accuracy and Stability*, §3.1):
+every quantity compared is a sum of products ``a·b``, so for a column
+
+    |eᵀC_computed − (eᵀA)B| ≤ γ · ((eᵀ|A|)|B|),
+    γ = 2·u_in + u_out + (2·(K + L) + 2)·u_acc
+
+where ``K`` is the contraction length, ``L`` the length of the summed line (``M`` for a column
+checksum, ``N`` for a row), ``u_acc`` the unit round-off of the float32 accumulator,
+``u_out`` that of the output dtype (each element of C is rounded once on the way out) and
+``u_in`` that of any rounding of the inputs by the backend (TF32 on GPU, bf16 passes on TPU
+for float32 matmuls at default precision; zero on CPU). Because the bound holds for any order of
+summation, clean runs never alarm; the measured ratio of threshold to actual deviation is
+reported by ``scripts/bench_tolerance.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import string
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sdcguard import inject
+from sdcguard.sites import ATTENTION_SITES, NEAR_INF
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ABFTConfig:
+    """What the protected attention checks and how.
+
+    Attributes:
+      sites: attention sites to protect (subset of ``query, key, value, scores, probs,
+        context, out``).
+      forward: check the forward GEMMs.
+      backward: check the two gradient GEMMs of every protected forward GEMM.
+      correct: correct located errors in place; if False, only detect (every detection is then
+        counted uncorrectable, since the error is passed on).
+      safety: multiplier on the round-off bound (1.0 is already a worst-case bound).
+      near_inf: magnitude at and above which a value in a flagged line is located directly.
+      implementation: ``'xla'`` (any backend), ``'pallas'`` (GPU kernels) or ``'auto'``.
+
+    Example:
+      >>> cfg = ABFTConfig(sites=("scores", "context"), backward=False)
+    """
+
+    sites: tuple[str, ...] = ATTENTION_SITES
+    forward: bool = True
+    backward: bool = True
+    correct: bool = True
+    safety: float = 1.0
+    near_inf: float = NEAR_INF
+    implementation: str = "auto"
+
+    def __post_init__(self):
+        object.__setattr__(self, "sites", tuple(self.sites))
+        unknown = set(self.sites) - set(ATTENTION_SITES)
+        if unknown:
+            raise ValueError(
+                f"unknown ABFT sites {sorted(unknown)}; valid sites: {list(ATTENTION_SITES)}"
+            )
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"
+            )
+        if not self.safety >= 1.0:
+            raise ValueError(
+                f"safety={self.safety} would put the threshold below the round-off bound and "
+                "raise false alarms; use safety >= 1"
+            )
+        if not self.near_inf > 0:
+            raise ValueError(f"near_inf must be positive, got {self.near_inf}")
+
+    def checks(self, site: str, *, backward: bool = False) -> bool:
+        """Whether ``site`` is checked in the given direction."""
+        return site in self.sites and (self.backward if backward else self.forward)
+
+    def resolved_implementation(self) -> str:
+        """``'auto'`` resolved for the default backend (the XLA path until kernels exist)."""
+        if self.implementation == "pallas":
+            raise ValueError(
+                "ABFTConfig(implementation='pallas'): the Pallas kernels are not available in "
+                "this version of sdcguard; use implementation='xla' (or 'auto')."
+            )
+        return "xla"
+
+
+class Counts(NamedTuple):
+    """Per-site counters; each is int32. A *check* is one matrix of a batched GEMM.
+
+    detected: checks whose checksums disagreed beyond the round-off bound.
+    corrected: detected checks whose errors were located and corrected.
+    uncorrectable: detected checks left (partly) wrong; never silently passed on: they are
+      counted here for the update guard to refuse the step.
+    """
+
+    detected: jax.Array
+    corrected: jax.Array
+    uncorrectable: jax.Array
+
+
+NUM_COUNTERS = 3
+
+
+def zero_counts() -> jax.Array:
+    return jnp.zeros((NUM_COUNTERS,), jnp.int32)
+
+
+# --- Tolerance model ---------------------------------------------------------------------------
+
+
+def unit_roundoff(dtype) -> float:
+    """Unit round-off ``u = 2^-p`` of a floating dtype (fp32: 2^-24, bf16: 2^-8, fp16: 2^-11)."""
+    return float(jnp.finfo(dtype).eps) / 2
+
+
+def input_rounding(dtype, precision=None, backend: str | None = None) -> float:
+    """Unit round-off of the backend's rounding of matmul *inputs* (0 when exact)."""
+    backend = backend or jax.default_backend()
+    highest = precision in (jax.lax.Precision.HIGHEST, "highest", "float32")
+    if jnp.dtype(dtype) != jnp.float32 or highest or backend == "cpu":
+        return 0.0
+    return 2.0**-11 if backend == "gpu" else 2.0**-8  # TF32 on GPU, one bf16 pass on TPU
+
+
+def roundoff_gamma(
+    *, out_dtype, contraction: int, line: int, input_unit: float = 0.0, safety: float = 1.0
+) -> float:
+    """γ of the tolerance model: |checksum deviation| ≤ γ · (|A||B| checksum).
+
+    Args:
+      out_dtype: dtype C is rounded to.
+      contraction: K, the contraction length.
+      line: the length of the summed line (M for column checksums, N for row checksums).
+      input_unit: unit round-off of input rounding by the backend (see input_rounding).
+      safety: multiplier (>= 1).
+    """
+    u_acc = unit_roundoff(jnp.float32)
+    u_out = unit_roundoff(out_dtype)
+    return safety * (2 * input_unit + u_out + (2 * (contraction + line) + 2) * u_acc)
+
+
+# --- Einsum bookkeeping ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Contraction:
+    """A pure-contraction einsum ``lhs,rhs->out`` with its letters sorted by role."""
+
+    lhs: str
+    rhs: str
+    out: str
+
+    @classmethod
+    def parse(cls, spec: str, lhs_ndim: int, rhs_ndim: int) -> Contraction:
+        spec = spec.replace(" ", "")
+        inputs, arrow, out = spec.partition("->")
+        if not arrow:
+            raise ValueError(f"einsum spec {spec!r} needs an explicit output ('...->...')")
+        lhs, comma, rhs = inputs.partition(",")
+        if not comma or "," in rhs:
+            raise ValueError(f"checked einsum needs exactly two operands, got {spec!r}")
+        used = set(spec) - set(".,->")
+        free = [c for c in string.ascii_letters if c not in used]
+
+        def expand(term: str, ndim: int) -> str:
+            if "..." not in term:
+                return term
+            n = ndim - (len(term) - 3)
+            return term.replace("...", "".join(free[:n]))
+
+        n_ell = max(
+            lhs_ndim - (len(lhs) - 3) if "..." in lhs else 0,
+            rhs_ndim - (len(rhs) - 3) if "..." in rhs else 0,
+        )
+        lhs, rhs = expand(lhs, lhs_ndim), expand(rhs, rhs_ndim)
+        out = out.replace("...", "".join(free[:n_ell]))
+        c = cls(lhs, rhs, out)
+        c._validate(spec)
+        return c
+
+    def _validate(self, spec: str):
+        for term in (self.lhs, self.rhs, self.out):
+            if len(set(term)) != len(term):
+                raise ValueError(f"checked einsum {spec!r}: repeated index within one operand")
+        lone = (set(self.lhs) ^ set(self.rhs)) - set(self.out)
+        extra = set(self.out) - set(self.lhs) - set(self.rhs)
+        if lone or extra:
+            raise ValueError(
+                f"einsum {spec!r} is not a pure contraction (indices {sorted(lone | extra)} "
+                "appear in one operand only); ABFT checks contractions"
+            )
+
+    @property
+    def batch(self) -> str:
+        return "".join(c for c in self.out if c in self.lhs and c in self.rhs)
+
+    @property
+    def lhs_free(self) -> str:
+        return "".join(c for c in self.out if c in self.lhs and c not in self.rhs)
+
+    @property
+    def rhs_free(self) -> str:
+        return "".join(c for c in self.out if c in self.rhs and c not in self.lhs)
+
+    @property
+    def contracted(self) -> str:
+        return "".join(c for c in self.lhs if c in self.rhs and c not in self.out)
+
+    @property
+    def spec(self) -> str:
+        return f"{self.lhs},{self.rhs}->{self.out}"
+
+    def without(self, letters: str) -> str:
+        return "".join(c for c in self.out if c not in letters)
+
+    def grad_lhs(self) -> Contraction:
+        """The backward GEMM for the left operand: ``dA = einsum(out,rhs->lhs)``."""
+        return Contraction(self.out, self.rhs, self.lhs)
+
+    def grad_rhs(self) -> Contraction:
+        """The backward GEMM for the right operand: ``dB = einsum(lhs,out->rhs)``."""
+        return Contraction(self.lhs, self.out, self.rhs)
+
+
+def dot_general_to_einsum(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> str:
+    """The einsum spec of a ``lax.dot_general`` (output: batch, lhs free, rhs free)."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    letters = iter(string.ascii_letters)
+    lhs = [""] * lhs_ndim
+    rhs = [""] * rhs_ndim
+    for i, j in zip(lb, rb, strict=True):
+        lhs[i] = rhs[j] = next(letters)
+    for i, j in zip(lc, rc, strict=True):
+        lhs[i] = rhs[j] = next(letters)
+    for term in (lhs, rhs):
+        for i, c in enumerate(term):
+            if not c:
+                term[i] = next(letters)
+    batch = [lhs[i] for i in lb]
+    lfree = [c for i, c in enumerate(lhs) if i not in lb and i not in lc]
+    rfree = [c for i, c in enumerate(rhs) if i not in rb and i not in rc]
+    return f"{''.join(lhs)},{''.join(rhs)}->{''.join(batch + lfree + rfree)}"
+
+
+def _axes(term: str, letters: str) -> tuple[int, ...]:
+    return tuple(term.index(c) for c in letters)
+
+
+def _canonical(x: jax.Array, term: str, groups: tuple[str, ...]) -> jax.Array:
+    """Transposes ``x`` (letters ``term``) to the letter groups and flattens each group."""
+    order = "".join(groups)
+    y = jnp.transpose(x, _axes(term, order))
+    sizes = [int(np.prod([x.shape[term.index(c)] for c in g], dtype=np.int64)) for g in groups]
+    return y.reshape(sizes)
+
+
+def _uncanonical(y: jax.Array, term: str, groups: tuple[str, ...], shape_of: dict) -> jax.Array:
+    order = "".join(groups)
+    y = y.reshape([shape_of[c] for c in order])
+    return jnp.transpose(y, _axes(order, term))
+
+
+# --- Check and correct one contraction ---------------------------------------------------------
+
+
+def check_contraction(
+    c: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    contraction: Contraction,
+    *,
+    config: ABFTConfig,
+    precision=None,
+) -> tuple[jax.Array, jax.Array]:
+    """Verifies ``c == einsum(contraction, a, b)`` by checksums, locating and correcting errors.
+
+    Args:
+      c: the computed output (possibly corrupted), letters ``contraction.out``.
+      a, b: the inputs, letters ``contraction.lhs`` / ``contraction.rhs``.
+      contraction: the parsed einsum.
+      config: thresholds and whether to correct.
+      precision: the precision of the GEMM (for the input-rounding term of the tolerance).
+
+    Returns:
+      ``(c_checked, counts)``: ``c`` with located errors corrected (unchanged when clean), and
+      int32 ``[detected, corrected, uncorrectable]`` counted over the batch of matrices.
+    """
+    ct = contraction
+    f32 = jnp.float32
+    a32, b32 = a.astype(f32), b.astype(f32)
+    c32 = c.astype(f32)
+    col_term = ct.without(ct.lhs_free)  # batch + rhs_free: one checksum per column
+    row_term = ct.without(ct.rhs_free)  # batch + lhs_free: one checksum per row
+    dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
+    k = int(np.prod([dims[x] for x in ct.contracted], dtype=np.int64))
+    m = int(np.prod([dims[x] for x in ct.lhs_free], dtype=np.int64))
+    n = int(np.prod([dims[x] for x in ct.rhs_free], dtype=np.int64))
+    u_in = input_rounding(a.dtype, precision)
+
+    def checksums(term):
+        ref = jnp.einsum(f"{ct.lhs},{ct.rhs}->{term}", a32, b32, precision="highest")
+        bound = jnp.einsum(
+            f"{ct.lhs},{ct.rhs}->{term}", jnp.abs(a32), jnp.abs(b32), precision="highest"
+        )
+        summed = jnp.sum(c32, axis=_axes(ct.out, "".join(x for x in ct.out if x not in term)))
+        return ref, bound, summed
+
+    col_ref, col_bound, col_sum = checksums(col_term)
+    row_ref, row_bound, row_sum = checksums(row_term)
+    gamma_col = roundoff_gamma(
+        out_dtype=c.dtype, contraction=k, line=m, input_unit=u_in, safety=config.safety
+    )
+    gamma_row = roundoff_gamma(
+        out_dtype=c.dtype, contraction=k, line=n, input_unit=u_in, safety=config.safety
+    )
+    # `not <=` so that NaN deviations are flagged too.
+    bad_col = ~(jnp.abs(col_sum - col_ref) <= gamma_col * col_bound)
+    bad_row = ~(jnp.abs(row_sum - row_ref) <= gamma_row * row_bound)
+    flagged_any = jnp.any(bad_col) | jnp.any(bad_row)
+
+    groups = (ct.batch, ct.lhs_free, ct.rhs_free)
+
+    def locate_and_correct(_):
+        c3 = _canonical(c32, ct.out, groups)  # [batch, M, N]
+        bc = _canonical(bad_col, col_term, (ct.batch, ct.rhs_free))  # [batch, N]
+        br = _canonical(bad_row, row_term, (ct.batch, ct.lhs_free))  # [batch, M]
+        cref = _canonical(col_ref, col_term, (ct.batch, ct.rhs_free))
+        rref = _canonical(row_ref, row_term, (ct.batch, ct.lhs_free))
+        in_line = br[:, :, None] | bc[:, None, :]
+        extreme = (~jnp.isfinite(c3) | (jnp.abs(c3) >= config.near_inf)) & in_line
+        located = extreme | (br[:, :, None] & bc[:, None, :])
+        per_col = jnp.sum(located, axis=1)  # [batch, N]
+        per_row = jnp.sum(located, axis=2)  # [batch, M]
+        some = jnp.any(located, axis=(1, 2))
+        # Every flagged line must hold a located element, and on the side used for the repair
+        # each line must hold at most one.
+        covered = jnp.all(~br | (per_row > 0), axis=1) & jnp.all(~bc | (per_col > 0), axis=1)
+        by_col = some & covered & jnp.all(per_col <= 1, axis=1)
+        by_row = some & covered & jnp.all(per_row <= 1, axis=1) & ~by_col
+        rest_col = jnp.sum(jnp.where(located, 0.0, c3), axis=1)  # [batch, N]
+        rest_row = jnp.sum(jnp.where(located, 0.0, c3), axis=2)  # [batch, M]
+        fixed = jnp.where(located & by_col[:, None, None], (cref - rest_col)[:, None, :], c3)
+        fixed = jnp.where(located & by_row[:, None, None], (rref - rest_row)[:, :, None], fixed)
+
+        # A whole bad row (or column) that checksums cannot repair: recompute it from A and B.
+        a3 = _canonical(a32, ct.lhs, (ct.batch, ct.lhs_free, ct.contracted))  # [batch, M, K]
+        b3 = _canonical(b32, ct.rhs, (ct.batch, ct.contracted, ct.rhs_free))  # [batch, K, N]
+        one_row = (jnp.sum(br, axis=1) == 1) & ~by_col & ~by_row
+        one_col = (jnp.sum(bc, axis=1) == 1) & ~by_col & ~by_row & ~one_row
+        r = jnp.argmax(br, axis=1)
+        q = jnp.argmax(bc, axis=1)
+        a_row = jnp.take_along_axis(a3, r[:, None, None], axis=1)  # [batch, 1, K]
+        b_col = jnp.take_along_axis(b3, q[:, None, None], axis=2)  # [batch, K, 1]
+        new_row = jnp.einsum("bik,bkn->bin", a_row, b3, precision="highest")
+        new_col = jnp.einsum("bmk,bkj->bmj", a3, b_col, precision="highest")
+        rows = jnp.arange(m)[None, :, None] == r[:, None, None]
+        cols = jnp.arange(n)[None, None, :] == q[:, None, None]
+        fixed = jnp.where(rows & one_row[:, None, None], new_row, fixed)
+        fixed = jnp.where(cols & one_col[:, None, None], new_col, fixed)
+
+        flagged = jnp.any(br, axis=1) | jnp.any(bc, axis=1)
+        repaired = flagged & (by_col | by_row | one_row | one_col)
+        if not config.correct:
+            fixed, repaired = c3, jnp.zeros_like(repaired)
+        counts = jnp.stack(
+            [jnp.sum(flagged), jnp.sum(repaired), jnp.sum(flagged & ~repaired)]
+        ).astype(jnp.int32)
+        out = _uncanonical(fixed, ct.out, groups, dims).astype(c.dtype)
+        return out, counts
+
+    return jax.lax.cond(flagged_any, locate_and_correct, lambda _: (c, zero_counts()), None)
+
+
+def check_softmax_rows(
+    probs: jax.Array,
+    recompute,
+    *,
+    config: ABFTConfig,
+) -> tuple[jax.Array, jax.Array]:
+    """Checks the softmax invariant: every row of ``probs`` ``[..., q, k]`` sums to 1.
+
+    A row that does not (beyond round-off), or holds a non-finite value, is recomputed by
+    ``recompute()`` (the softmax of the already-checked scores).
+
+    Returns:
+      ``(probs_checked, counts)`` with counts over the ``[...]`` matrices.
+    """
+    k = probs.shape[-1]
+    p32 = probs.astype(jnp.float32)
+    # Each element is rounded once (relative u_out, weighted by p: sums to u_out), plus the
+    # float32 exp/normalise/sum chain (a few u_acc per element, K of them).
+    tol = config.safety * (
+        4 * unit_roundoff(probs.dtype) + (2 * k + 8) * unit_roundoff(jnp.float32)
+    )
+    row_sum = jnp.sum(p32, axis=-1)
+    bad = ~(jnp.abs(row_sum - 1.0) <= tol)  # NaN/inf rows fail too
+    flagged_any = jnp.any(bad)
+
+    def fix(_):
+        fresh = recompute().astype(probs.dtype)
+        fixed = jnp.where(bad[..., None], fresh, probs) if config.correct else probs
+        per_matrix = jnp.any(bad.reshape(-1, bad.shape[-1]), axis=-1)
+        n_bad = jnp.sum(per_matrix)
+        repaired = n_bad if config.correct else jnp.zeros_like(n_bad)
+        counts = jnp.stack([n_bad, repaired, n_bad - repaired]).astype(jnp.int32)
+        return fixed, counts
+
+    return jax.lax.cond(flagged_any, fix, lambda _: (probs, zero_counts()), None)
+
+
+# --- The checked einsum with its checked backward ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    contraction: Contraction
+    site: str
+    config: ABFTConfig
+    precision: object
+    preferred_element_type: object
+
+
+def _einsum(st: _Static, ct: Contraction, a, b):
+    return jnp.einsum(
+        ct.spec,
+        a,
+        b,
+        precision=st.precision,
+        preferred_element_type=st.preferred_element_type,
+    )
+
+
+def _gemm(st: _Static, ct: Contraction, a, b, plan, site: str, check: bool):
+    c = _einsum(st, ct, a, b)
+    c = inject.apply(c, plan, site)
+    if not check:
+        return c, zero_counts()
+    return check_contraction(c, a, b, ct, config=st.config, precision=st.precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _checked(st: _Static, a, b, plan, sink):
+    del sink
+    return _gemm(st, st.contraction, a, b, plan, st.site, st.config.forward)
+
+
+def _checked_fwd(st, a, b, plan, sink):
+    del sink
+    out = _gemm(st, st.contraction, a, b, plan, st.site, st.config.forward)
+    return out, (a, b, plan)
+
+
+def _checked_bwd(st, residuals, cotangents):
+    a, b, plan = residuals
+    g, _ = cotangents
+    check = st.config.backward
+    ct = st.contraction
+    # The correction is an identity for autodiff: the gradients are those of the clean einsum,
+    # and the two gradient GEMMs are checked (and injected into) like any other.
+    ga, counts_a = _gemm(st, ct.grad_lhs(), g, b, plan, st.site + ".grad_lhs", check)
+    gb, counts_b = _gemm(st, ct.grad_rhs(), a, g, plan, st.site + ".grad_rhs", check)
+    sink_cotangent = jnp.stack([counts_a, counts_b]).astype(jnp.float32)
+    return ga.astype(a.dtype), gb.astype(b.dtype), None, sink_cotangent
+
+
+_checked.defvjp(_checked_fwd, _checked_bwd)
+
+
+def zero_sink() -> jax.Array:
+    """The backward-counter sink of one GEMM site: float32 ``[2, 3]`` zeros.
+
+    Its *gradient* is ``[[grad_lhs counts], [grad_rhs counts]]``: differentiate the loss with
+    respect to the sink to read the backward counters with no host sync.
+    """
+    return jnp.zeros((2, NUM_COUNTERS), jnp.float32)
+
+
+def checked_einsum(
+    spec: str,
+    a: jax.Array,
+    b: jax.Array,
+    *,
+    site: str,
+    config: ABFTConfig = ABFTConfig(),
+    plan: inject.FaultPlan | None = None,
+    sink: jax.Array | None = None,
+    precision=None,
+    preferred_element_type=None,
+) -> tuple[jax.Array, jax.Array]:
+    """``jnp.einsum(spec, a, b)`` protected by checksums, forward and backward.
+
+    Args:
+      spec: a two-operand pure contraction, e.g. ``'...qhd,...khd->...hqk'``.
+      a, b: operands.
+      site: the site name (used by fault plans and reports), e.g. ``'.../attn:scores'``.
+      config: ABFT settings.
+      plan: faults to inject (default: the plan set by :func:`sdcguard.inject.faults`).
+      sink: float32 ``[2, 3]`` whose gradient receives the backward counters
+        (see :func:`zero_sink`); None when they are not needed.
+      precision, preferred_element_type: as for ``jnp.einsum``.
+
+    Returns:
+      ``(c, counts)``: the checked (and corrected) result and int32 ``[detected, corrected,
+      uncorrectable]`` of the forward check.
+
+    Example:
+      >>> c, counts = checked_einsum("bmk,bkn->bmn", a, b, site="demo:gemm")
+    """
+    config.resolved_implementation()
+    ct = Contraction.parse(spec, a.ndim, b.ndim)
+    if plan is None:
+        plan = inject.active_plan(like=a)
+    st = _Static(ct, site, config, precision, preferred_element_type)
+    return _checked(st, a, b, plan, zero_sink() if sink is None else sink)
+
+
+def checked_dot_general(
+    lhs,
+    rhs,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    site: str,
+    config: ABFTConfig = ABFTConfig(),
+    plan: inject.FaultPlan | None = None,
+    sink: jax.Array | None = None,
+    **unused,
+):
+    """``lax.dot_general`` protected by checksums; returns ``(out, counts)``.
+
+    The output layout is that of ``lax.dot_general``: batch dims, lhs free, rhs free.
+    """
+    spec = dot_general_to_einsum(lhs.ndim, rhs.ndim, dimension_numbers)
+    return checked_einsum(
+        spec,
+        lhs,
+        rhs,
+        site=site,
+        config=config,
+        plan=plan,
+        sink=sink,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )

@@ -1,0 +1,252 @@
+"""Fault plans and fault injection: faults are data, not code.
+
+A :class:`FaultPlan` is a pytree of arrays (one entry per fault). It is passed into jitted code
+as an argument, so a campaign of thousands of different faults compiles once. Inside the traced
+function, :func:`faults` makes the plan visible to every protected site; each site applies the
+faults addressed to it (by :func:`sdcguard.sites.site_id`) to the tensor it has just produced,
+before any check runs -- exactly where a faulty GEMM would have put them.
+
+Example:
+  >>> plan = FaultPlan.from_faults([
+  ...     Fault(site="decoder/block_0/attn:scores", kind="inf", index=17, step=3)])
+  >>> @jax.jit
+  ... def train_step(state, batch, plan):
+  ...     with faults(plan.at_step(state.step)):
+  ...         return step_fn(state, batch)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sdcguard.sites import NEAR_INF, FaultKind, site_id, split_site
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fault:
+    """One fault, as a person writes it.
+
+    Attributes:
+      site: full site name, e.g. ``decoder/block_0/attn:scores`` or ``...:scores.grad_lhs``
+        for the backward GEMM that produces the gradient of the left operand.
+      kind: one of ``inf, -inf, nan, near_inf, bitflip, value, scale``.
+      index: flat element index into the site's tensor (row-major), or None for an index drawn
+        from ``seed``.
+      seed: seed of the random index when ``index`` is None.
+      step: the training step at which the fault fires, or -1 for every step.
+      bit: the bit to flip (``bitflip``), counted from the least significant bit.
+      value: the value to set (``value``) or the factor (``scale``).
+    """
+
+    site: str
+    kind: str
+    index: int | None = None
+    seed: int = 0
+    step: int = -1
+    bit: int = 0
+    value: float = 0.0
+
+    def __post_init__(self):
+        split_site(self.site)
+        kind = FaultKind.parse(self.kind)
+        if self.index is not None and self.index < 0:
+            raise ValueError(f"fault index must be >= 0 or None (random), got {self.index}")
+        if kind == FaultKind.BITFLIP and not 0 <= self.bit < 64:
+            raise ValueError(f"bitflip needs 0 <= bit < 64, got bit={self.bit}")
+
+
+class FaultPlan(NamedTuple):
+    """Faults as arrays: every field has shape ``[num_faults]`` except ``current_step``.
+
+    Build one with :meth:`from_faults` or :meth:`none`; set the step with :meth:`at_step`.
+    """
+
+    site: jax.Array  # int32 site_id of the target site
+    kind: jax.Array  # int32 FaultKind
+    index: jax.Array  # int32 flat index, or -1 for random from `seed`
+    seed: jax.Array  # int32
+    step: jax.Array  # int32 step at which it fires, -1 = every step
+    bit: jax.Array  # int32
+    value: jax.Array  # float32
+    current_step: jax.Array  # int32 scalar: the step being run now
+
+    @classmethod
+    def from_faults(cls, faults: Sequence[Fault]) -> FaultPlan:
+        def col(fn, dtype):
+            return np.asarray([fn(f) for f in faults], dtype=dtype).reshape(len(faults))
+
+        return cls(
+            site=col(lambda f: site_id(f.site), np.int32),
+            kind=col(lambda f: int(FaultKind.parse(f.kind)), np.int32),
+            index=col(lambda f: -1 if f.index is None else f.index, np.int32),
+            seed=col(lambda f: f.seed, np.int32),
+            step=col(lambda f: f.step, np.int32),
+            bit=col(lambda f: f.bit, np.int32),
+            value=col(lambda f: f.value, np.float32),
+            current_step=np.zeros((), np.int32),
+        )
+
+    @classmethod
+    def none(cls) -> FaultPlan:
+        """A plan with no faults (still a valid jit argument)."""
+        return cls.from_faults([])
+
+    @property
+    def num_faults(self) -> int:
+        return int(np.shape(self.site)[0])
+
+    def at_step(self, step) -> FaultPlan:
+        """The same plan, with ``current_step`` set (``step`` may be a traced int)."""
+        return self._replace(current_step=jnp.asarray(step, jnp.int32))
+
+
+_ACTIVE_PLAN: contextvars.ContextVar[FaultPlan | None] = contextvars.ContextVar(
+    "sdcguard_active_fault_plan", default=None
+)
+
+
+@contextlib.contextmanager
+def faults(plan: FaultPlan | None) -> Iterator[None]:
+    """Makes ``plan`` visible to every protected site called inside the block.
+
+    Enter it *inside* the jitted function with the plan as an argument of that function: a plan
+    captured from outside would be baked into the compiled code as a constant (the sites refuse
+    that with an error, see :func:`active_plan`).
+    """
+    token = _ACTIVE_PLAN.set(plan)
+    try:
+        yield
+    finally:
+        _ACTIVE_PLAN.reset(token)
+
+
+def active_plan(like: jax.Array | None = None) -> FaultPlan | None:
+    """The plan set by :func:`faults`, or None.
+
+    Args:
+      like: a tensor of the computation that asks. If it is traced and the plan is concrete, the
+        plan would be compiled in as a constant (and silently reused for other plans), so this
+        raises instead.
+    """
+    plan = _ACTIVE_PLAN.get()
+    if plan is None or plan.num_faults == 0:
+        return None
+    traced = isinstance(like, jax.core.Tracer)
+    plan_traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(plan))
+    if traced and not plan_traced:
+        raise ValueError(
+            "sdcguard.inject.faults() got a concrete FaultPlan inside a traced function: it "
+            "would be compiled in as a constant and reused for every later plan. Pass the plan "
+            "as an argument of the jitted function and enter faults(plan) inside it."
+        )
+    return plan
+
+
+def corrupt(old: jax.Array, kind: jax.Array, bit: jax.Array, value: jax.Array) -> jax.Array:
+    """The corrupted version of ``old`` (a scalar) for a fault of ``kind`` (all traced)."""
+    dtype = old.dtype
+    finfo = jnp.finfo(dtype)
+    near_inf = jnp.asarray(min(NEAR_INF, float(finfo.max)), dtype)
+    nbits = finfo.bits
+    uint = jnp.dtype(f"uint{nbits}")
+    flipped = jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(old, uint)
+        ^ (jnp.asarray(1, uint) << (bit % nbits).astype(uint)),
+        dtype,
+    )
+    choices = [
+        jnp.asarray(jnp.inf, dtype),
+        jnp.asarray(-jnp.inf, dtype),
+        jnp.asarray(jnp.nan, dtype),
+        near_inf,
+        flipped,
+        value.astype(dtype),
+        (old.astype(jnp.float32) * value).astype(dtype),
+    ]
+    return jnp.select([kind == k for k in FaultKind], choices, old)
+
+
+def fault_hits(plan: FaultPlan, sid: int) -> jax.Array:
+    """bool ``[num_faults]``: which faults of ``plan`` fire at site ``sid`` now."""
+    now = (plan.step < 0) | (plan.step == plan.current_step)
+    return (plan.site == sid) & now
+
+
+def apply(x: jax.Array, plan: FaultPlan | None, site: str) -> jax.Array:
+    """Applies the faults of ``plan`` addressed to ``site`` at the current step to ``x``.
+
+    The element index is taken modulo ``x.size``; a random index comes from the fault's seed
+    and the site, so one seed hits a different element at each site.
+    """
+    if plan is None or plan.num_faults == 0:
+        return x
+    sid = site_id(site)
+    hits = fault_hits(plan, sid)
+    flat = x.reshape(-1)
+    for f in range(plan.num_faults):
+        key = jax.random.fold_in(jax.random.key(plan.seed[f]), sid)
+        random_index = jax.random.randint(key, (), 0, flat.size, dtype=jnp.int32)
+        idx = jnp.where(plan.index[f] >= 0, plan.index[f] % flat.size, random_index)
+        old = flat[idx]
+        new = corrupt(old, plan.kind[f], plan.bit[f], plan.value[f])
+        flat = flat.at[idx].set(jnp.where(hits[f], new, old))
+    return flat.reshape(x.shape)
+
+
+# --- The command-line form of a fault: "site=...,kind=...,index=...,step=...". ---
+
+_SPEC_FIELDS = {"site", "kind", "index", "seed", "step", "bit", "value"}
+
+
+def parse_spec(spec: str, *, valid_sites: Sequence[str] | None = None) -> Fault:
+    """Parses ``site=S,kind=K[,index=I][,seed=N][,step=T][,bit=B][,value=V]`` into a Fault.
+
+    Raises:
+      ValueError: naming the bad field (and listing the valid sites when the site is unknown).
+    """
+    fields: dict[str, str] = {}
+    for part in spec.split(","):
+        name, sep, val = part.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ValueError(f"malformed fault spec {spec!r}: {part!r} is not 'field=value'")
+        if name not in _SPEC_FIELDS:
+            raise ValueError(
+                f"unknown field {name!r} in fault spec; valid fields: {sorted(_SPEC_FIELDS)}"
+            )
+        fields[name] = val.strip()
+    for required in ("site", "kind"):
+        if required not in fields:
+            raise ValueError(f"fault spec {spec!r} is missing the field {required!r}")
+    if valid_sites is not None and fields["site"] not in valid_sites:
+        listing = "\n  ".join(valid_sites)
+        raise ValueError(
+            f"unknown site {fields['site']!r} in field 'site'; valid sites:\n  {listing}"
+        )
+    kwargs: dict = {"site": fields["site"], "kind": fields["kind"]}
+    for name, conv in (
+        ("index", int),
+        ("seed", int),
+        ("step", int),
+        ("bit", int),
+        ("value", float),
+    ):
+        if name in fields:
+            try:
+                kwargs[name] = conv(fields[name])
+            except ValueError:
+                raise ValueError(
+                    f"field {name!r} of fault spec must be {conv.__name__}, got {fields[name]!r}"
+                ) from None
+    try:
+        return Fault(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"bad fault spec {spec!r}: {e}") from None

@@ -1,0 +1,100 @@
+"""Site names and the fault model shared by every part of sdcguard.
+
+A *site* is a named tensor produced inside training. Its name is the Flax module path joined
+by ``/``, then ``:`` and the site inside the module, e.g. ``decoder/block_2/attn:scores``.
+Backward sites append ``.grad_lhs`` / ``.grad_rhs`` for the two gradient GEMMs of a forward
+GEMM (``decoder/block_2/attn:scores.grad_lhs``). Any other module's output is ``path:output``.
+
+Inside jitted code a site is identified by :func:`site_id`, a stable 31-bit hash of its name,
+so that a fault plan can target any site with data instead of code (one compilation for a
+whole campaign).
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+from collections.abc import Sequence
+
+# The GEMM sites of one attention layer, in execution order.
+PROJECTION_SITES = ("query", "key", "value")
+GEMM_SITES = ("query", "key", "value", "scores", "context", "out")
+# `probs` is protected by the softmax invariant (every unmasked row sums to 1), not a GEMM.
+ATTENTION_SITES = ("query", "key", "value", "scores", "probs", "context", "out")
+GRAD_SUFFIXES = (".grad_lhs", ".grad_rhs")
+
+# The paper's near-INF cut-off (ATTNChecker): |x| > 1e10.
+NEAR_INF = 1e10
+
+
+class FaultKind(enum.IntEnum):
+    """What a fault does to one element. The integer is the code used inside fault plans."""
+
+    INF = 0
+    NEG_INF = 1
+    NAN = 2
+    NEAR_INF = 3  # a finite value >= 1e10, or the dtype's max where 1e10 does not fit
+    BITFLIP = 4  # flip bit `bit` of the element's bit pattern
+    VALUE = 5  # set the element to `param`
+    SCALE = 6  # multiply the element by `param`
+
+    @property
+    def spec_name(self) -> str:
+        return _KIND_NAMES[self]
+
+    @classmethod
+    def parse(cls, name: str) -> FaultKind:
+        try:
+            return _KINDS_BY_NAME[name]
+        except KeyError:
+            valid = ", ".join(_KINDS_BY_NAME)
+            raise ValueError(f"unknown fault kind {name!r}; valid kinds: {valid}") from None
+
+
+_KIND_NAMES = {
+    FaultKind.INF: "inf",
+    FaultKind.NEG_INF: "-inf",
+    FaultKind.NAN: "nan",
+    FaultKind.NEAR_INF: "near_inf",
+    FaultKind.BITFLIP: "bitflip",
+    FaultKind.VALUE: "value",
+    FaultKind.SCALE: "scale",
+}
+_KINDS_BY_NAME = {v: k for k, v in _KIND_NAMES.items()}
+FAULT_KINDS = tuple(_KIND_NAMES.values())
+
+
+def site_name(module_path: Sequence[str], site: str) -> str:
+    """Joins a module path and a site: ``(decoder, block_0, attn), 'scores'`` -> ``...:scores``."""
+    return "/".join(module_path) + ":" + site
+
+
+def split_site(name: str) -> tuple[str, str]:
+    """Splits ``path:site`` into ``(path, site)``; raises ValueError on a malformed name."""
+    path, sep, site = name.rpartition(":")
+    if not sep or not site:
+        raise ValueError(
+            f"malformed site name {name!r}: expected 'module/path:site', "
+            "e.g. 'decoder/block_0/attn:scores'"
+        )
+    return path, site
+
+
+def backward_site_names(forward_site: str) -> tuple[str, str]:
+    """The two gradient-GEMM sites of a forward GEMM site."""
+    return tuple(forward_site + s for s in GRAD_SUFFIXES)  # type: ignore[return-value]
+
+
+def site_id(name: str) -> int:
+    """Stable non-negative int32 identifier of a site name (CRC-32, top bit cleared)."""
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def attention_site_names(attn_path: Sequence[str] | str, *, backward: bool = True) -> list[str]:
+    """Every site of one attention layer at ``attn_path``: forward, then backward GEMM sites."""
+    path = attn_path.split("/") if isinstance(attn_path, str) else list(attn_path)
+    names = [site_name(path, s) for s in ATTENTION_SITES]
+    if backward:
+        for s in GEMM_SITES:
+            names.extend(backward_site_names(site_name(path, s)))
+    return names
