@@ -128,6 +128,15 @@ def faults(plan: FaultPlan | None) -> Iterator[None]:
         _ACTIVE_PLAN.reset(token)
 
 
+def _is_staged(x) -> bool:
+    """Whether ``x`` is being staged out for compilation (jit), under any grad/vmap tracers."""
+    while isinstance(x, jax.core.Tracer):
+        if "Jaxpr" in type(x).__name__:
+            return True
+        x = getattr(x, "primal", getattr(x, "val", None))
+    return False
+
+
 def active_plan(like: jax.Array | None = None) -> FaultPlan | None:
     """The plan set by :func:`faults`, or None.
 
@@ -139,9 +148,8 @@ def active_plan(like: jax.Array | None = None) -> FaultPlan | None:
     plan = _ACTIVE_PLAN.get()
     if plan is None or plan.num_faults == 0:
         return None
-    traced = isinstance(like, jax.core.Tracer)
     plan_traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(plan))
-    if traced and not plan_traced:
+    if _is_staged(like) and not plan_traced:
         raise ValueError(
             "sdcguard.inject.faults() got a concrete FaultPlan inside a traced function: it "
             "would be compiled in as a constant and reused for every later plan. Pass the plan "
