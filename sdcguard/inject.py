@@ -79,12 +79,20 @@ class FaultPlan(NamedTuple):
     current_step: jax.Array  # int32 scalar: the step being run now
 
     @classmethod
-    def from_faults(cls, faults: Sequence[Fault]) -> FaultPlan:
-        def col(fn, dtype):
-            return np.asarray([fn(f) for f in faults], dtype=dtype).reshape(len(faults))
+    def from_faults(cls, faults: Sequence[Fault], *, capacity: int | None = None) -> FaultPlan:
+        """The plan of ``faults``, padded with inert entries to ``capacity`` if given.
+
+        Plans of equal capacity have equal shapes, so a jitted step compiles once for all.
+        """
+        if capacity is not None and capacity < len(faults):
+            raise ValueError(f"{len(faults)} faults do not fit in capacity={capacity}")
+        pad = (capacity or len(faults)) - len(faults)
+
+        def col(fn, dtype, inert=0):
+            return np.asarray([fn(f) for f in faults] + [inert] * pad, dtype=dtype)
 
         return cls(
-            site=col(lambda f: site_id(f.site), np.int32),
+            site=col(lambda f: site_id(f.site), np.int32, inert=-1),  # no site has id -1
             kind=col(lambda f: int(FaultKind.parse(f.kind)), np.int32),
             index=col(lambda f: -1 if f.index is None else f.index, np.int32),
             seed=col(lambda f: f.seed, np.int32),
@@ -188,25 +196,36 @@ def fault_hits(plan: FaultPlan, sid: int) -> jax.Array:
     return (plan.site == sid) & now
 
 
+def _random_index(seed: jax.Array, sid: int, size: int) -> jax.Array:
+    """A well-mixed index in ``[0, size)`` from (seed, site): a murmur3 finaliser, not a PRNG,
+    because a full threefry per fault and site makes compilation of big steps slow."""
+    h = seed.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) + jnp.uint32(sid)
+    for shift, mult in ((16, 0x85EBCA6B), (13, 0xC2B2AE35), (16, None)):
+        h = h ^ (h >> jnp.uint32(shift))
+        if mult is not None:
+            h = h * jnp.uint32(mult)
+    return (h % jnp.uint32(size)).astype(jnp.int32)
+
+
 def apply(x: jax.Array, plan: FaultPlan | None, site: str) -> jax.Array:
     """Applies the faults of ``plan`` addressed to ``site`` at the current step to ``x``.
 
     The element index is taken modulo ``x.size``; a random index comes from the fault's seed
-    and the site, so one seed hits a different element at each site.
+    and the site, so one seed hits a different element at each site. All faults of the plan are
+    applied in one gather and one scatter.
     """
     if plan is None or plan.num_faults == 0:
         return x
     sid = site_id(site)
-    hits = fault_hits(plan, sid)
     flat = x.reshape(-1)
-    for f in range(plan.num_faults):
-        key = jax.random.fold_in(jax.random.key(plan.seed[f]), sid)
-        random_index = jax.random.randint(key, (), 0, flat.size, dtype=jnp.int32)
-        idx = jnp.where(plan.index[f] >= 0, plan.index[f] % flat.size, random_index)
-        old = flat[idx]
-        new = corrupt(old, plan.kind[f], plan.bit[f], plan.value[f])
-        flat = flat.at[idx].set(jnp.where(hits[f], new, old))
-    return flat.reshape(x.shape)
+    index = jnp.where(
+        plan.index >= 0, plan.index % flat.size, _random_index(plan.seed, sid, flat.size)
+    )
+    new = jax.vmap(corrupt)(flat[index], plan.kind, plan.bit, plan.value)
+    # Faults that do not fire are sent out of bounds and dropped, so they cannot race a firing
+    # fault at the same index.
+    index = jnp.where(fault_hits(plan, sid), index, flat.size)
+    return flat.at[index].set(new, mode="drop").reshape(x.shape)
 
 
 # --- The command-line form of a fault: "site=...,kind=...,index=...,step=...". ---
