@@ -288,11 +288,16 @@ def check_tile(
         fixed = fixed.astype(out_dtype).astype(jnp.float32)
         return fixed, _i32(flagged), _i32(flagged & ~repaired)
 
-    def on_clean(c):
-        zero = jnp.zeros((), jnp.int32)
-        return c, zero, zero
+    def on_fault_(c, n_bad):
+        del n_bad
+        return on_fault(c)
 
-    return lax.cond(n_bad_rows > 0, on_fault, on_clean, c)
+    def on_clean(c, n_bad):
+        # n_bad is 0 here; returning it (not a literal 0) keeps every yielded value an SSA value,
+        # which the Triton lowering of lax.cond requires.
+        return c, n_bad, n_bad
+
+    return lax.cond(n_bad_rows > 0, on_fault_, on_clean, c, n_bad_rows)
 
 
 def matrix_counts(flags: jax.Array, axis) -> jax.Array:
