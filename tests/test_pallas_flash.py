@@ -9,7 +9,7 @@ import pytest
 
 from sdcguard import abft, inject
 from sdcguard.attention import SiteRecorder, protected_attention
-from sdcguard.pallas import flash_attention as fa
+from sdcguard.pallas import flash as fa
 from sdcguard.sites import GEMM_SITES
 
 # Kernel vs reference, relative to max|x|. float32: online softmax reorders exp/sum and the

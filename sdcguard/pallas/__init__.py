@@ -1,0 +1,32 @@
+"""GPU kernels for ABFT (Pallas, lowered through Triton), each beside its pure-jnp reference.
+
+- :mod:`sdcguard.pallas.verify`: :func:`verify_and_correct` checks a GEMM computed elsewhere.
+- :mod:`sdcguard.pallas.matmul`: :func:`checked_matmul` computes, encodes, verifies and corrects
+  in one tiled pass.
+- :mod:`sdcguard.pallas.flash`: :func:`flash_attention` with checksums verified
+  inside the fused forward and backward kernels.
+
+On a backend without a GPU every kernel runs in interpret mode (``interpret=None`` picks it):
+slow, for testing.
+"""
+
+from sdcguard.pallas.flash import attention_reference, flash_attention
+from sdcguard.pallas.matmul import checked_contraction, checked_matmul, checked_matmul_reference
+from sdcguard.pallas.verify import (
+    check_contraction,
+    encode,
+    verify_and_correct,
+    verify_and_correct_reference,
+)
+
+__all__ = [
+    "attention_reference",
+    "check_contraction",
+    "checked_contraction",
+    "checked_matmul",
+    "checked_matmul_reference",
+    "encode",
+    "flash_attention",
+    "verify_and_correct",
+    "verify_and_correct_reference",
+]
