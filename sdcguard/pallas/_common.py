@@ -75,14 +75,9 @@ def site_fault_index(plan: inject.FaultPlan, site: str, size: int):
     """
     sid = site_id(site)
     hits = inject.fault_hits(plan, sid)
-
-    def draw(seed):
-        key = jax.random.fold_in(jax.random.key(seed), sid)
-        return jax.random.randint(key, (), 0, size, dtype=jnp.int32)
-
-    random_index = jax.vmap(draw)(jnp.asarray(plan.seed))
     index = jnp.asarray(plan.index)
-    flat = jnp.where(index >= 0, index % size, random_index)
+    # The same (seed, site) -> index hash as inject.apply, so both paths hit one element.
+    flat = jnp.where(index >= 0, index % size, inject._random_index(plan.seed, sid, size))
     return hits, flat.astype(jnp.int32)
 
 
