@@ -196,9 +196,9 @@ def test_checked_contraction_einsum_layout_matches_checked_einsum():
     k = jax.random.normal(kk, (2, 20, 3, 16))
     spec = "bqhd,bkhd->bhqk"
     ct = abft.Contraction.parse(spec, 4, 4)
-    plan = inject.FaultPlan.from_faults(
-        [inject.Fault(site=SITE, kind="scale", index=999, value=-50)]
-    )
+    # A random index (from the seed and the site) exercises the index hash and the layout.
+    fault = inject.Fault(site=SITE, kind="scale", seed=7, value=-50)
+    plan = inject.FaultPlan.from_faults([fault])
     cfg = abft.ABFTConfig(correct=False)
     c, counts = matmul.checked_contraction(
         q, k, ct, config=cfg, site=SITE, plan=plan, block_sizes=SMALL_GEMM, interpret=True

@@ -71,7 +71,7 @@ def site_fault_index(plan: inject.FaultPlan, site: str, size: int):
     """``(hits bool[F], flat_index int32[F])`` resolved as :func:`sdcguard.inject.apply` does.
 
     A fault with ``index >= 0`` hits ``index % size``; one with ``index == -1`` draws its index
-    from its seed folded with the site id, so the kernel hits the element the XLA path hits.
+    from a hash of its seed and the site id, so the kernel hits the element the XLA path hits.
     """
     sid = site_id(site)
     hits = inject.fault_hits(plan, sid)
