@@ -82,14 +82,15 @@ class GuardConfig:
     Attributes:
       check_nonfinite: refuse when a gradient, a proposed update or the loss is NaN or Inf.
       grad_norm_zscore: refuse when the global gradient norm is more than this many standard
-        deviations above the mean of the last ``window`` accepted norms; None disables.
+        deviations above the mean of the recent accepted norms (see ``window``); None disables.
       grad_norm_min_ratio: ...and also more than this many times that mean. Gradient norms of
         clean training are heavy-tailed (the reference GPT reaches 3.6x its rolling mean at a
         z-score of 14), so a z-score alone would refuse healthy steps.
       loss_zscore: the same for the ``loss`` extra argument; None disables.
       loss_min_ratio: the loss's counterpart of ``grad_norm_min_ratio``; it also keeps an almost
         constant loss from turning tiny wiggles into huge z-scores.
-      window: length of the rolling window of the spike statistics.
+      window: length of the window of the spike statistics: the first ``window`` accepted
+        values count equally, later ones decay exponentially with weight ``1 / window``.
       warmup: accepted samples needed before the spike checks start.
       check_abft: refuse when the ``abft_uncorrectable`` extra argument is positive.
       max_consecutive: refusals in a row after which ``rollback_needed`` is set.
@@ -131,13 +132,14 @@ class GuardConfig:
 
 
 class RollingStats(NamedTuple):
-    """The last ``window`` accepted values of a monitored scalar.
+    """Running statistics of the accepted values of a monitored scalar (see ``window``).
 
-    values: float32 ``[window]``, a ring buffer; slot ``count % window`` is written next.
+    mean, var: float32 scalars, the windowed mean and variance.
     count: int32, accepted values so far.
     """
 
-    values: jax.Array
+    mean: jax.Array
+    var: jax.Array
     count: jax.Array
 
 
@@ -205,7 +207,7 @@ def tree_fingerprint(tree) -> jax.Array:
 
     Example:
       >>> tree_fingerprint({"w": jnp.ones((2, 3))})
-      Array([6384975872, ...], dtype=uint32)
+      Array([2097152000, 3992977408], dtype=uint32)
     """
     total = jnp.zeros((), jnp.uint32)
     weighted = jnp.zeros((), jnp.uint32)
@@ -222,44 +224,61 @@ def tree_fingerprint(tree) -> jax.Array:
 # --- Checks ------------------------------------------------------------------------------------
 
 
-def _all_finite(tree) -> jax.Array:
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves] + [jnp.bool_(True)]))
+def _flat(tree) -> jax.Array:
+    leaves = [x.reshape(-1).astype(jnp.float32) for x in jax.tree.leaves(tree)]
+    return jnp.concatenate([*leaves, jnp.zeros((0,), jnp.float32)])
 
 
-def _global_norm(tree) -> jax.Array:
-    squares = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)]
-    return jnp.sqrt(sum(squares, jnp.float32(0)))
+def _norm_and_finite(grads, proposed) -> tuple[jax.Array, jax.Array]:
+    """Global gradient norm, and whether every proposed update is finite.
+
+    Both come from one reduction over the flattened trees: on small models the cost of the
+    guard is the number of kernels, not the bytes (a reduction per leaf doubled it).
+    ``u * 0`` is 0 for finite ``u`` and NaN otherwise, so its sum is finite exactly when
+    every update is, without the overflow that summing the updates themselves could hit.
+    """
+    g, u = _flat(grads), _flat(proposed)
+    if g.shape == u.shape:
+        sums = jnp.sum(jnp.stack([jnp.square(g), u * 0.0]), axis=1)
+        return jnp.sqrt(sums[0]), jnp.isfinite(sums[1])
+    return jnp.sqrt(jnp.sum(jnp.square(g))), jnp.isfinite(jnp.sum(u * 0.0))
 
 
-def _stats_init(window: int) -> RollingStats:
-    return RollingStats(jnp.zeros((window,), jnp.float32), jnp.zeros((), jnp.int32))
+def _stats_init() -> RollingStats:
+    zero = jnp.zeros((), jnp.float32)
+    return RollingStats(mean=zero, var=zero, count=jnp.zeros((), jnp.int32))
 
 
 def _is_spike(
     stats: RollingStats, x: jax.Array, *, zscore: float, min_ratio: float, warmup: int
 ) -> jax.Array:
-    """Whether the finite ``x`` exceeds the window mean by ``zscore`` deviations and the ratio.
+    """Whether the finite ``x`` exceeds the mean by ``zscore`` deviations and by the ratio.
 
     Only upward spikes count: a falling loss or gradient norm is what training is for.
     """
-    window = stats.values.shape[0]
-    n = jnp.minimum(stats.count, window)
-    filled = jnp.arange(window) < n
-    denom = jnp.maximum(n, 1).astype(jnp.float32)
-    mean = jnp.sum(jnp.where(filled, stats.values, 0.0)) / denom
-    var = jnp.sum(jnp.where(filled, jnp.square(stats.values - mean), 0.0)) / denom
-    margin = jnp.maximum(zscore * jnp.sqrt(var), (min_ratio - 1.0) * jnp.abs(mean))
+    margin = jnp.maximum(zscore * jnp.sqrt(stats.var), (min_ratio - 1.0) * jnp.abs(stats.mean))
     ready = stats.count >= warmup
-    return ready & jnp.isfinite(x) & (x - mean > margin)
+    return ready & jnp.isfinite(x) & (x - stats.mean > margin)
 
 
-def _stats_push(stats: RollingStats, x: jax.Array, accept: jax.Array) -> RollingStats:
-    """Adds ``x`` when ``accept``: refused steps (spikes included) never shape the statistics."""
+def _stats_push(stats: RollingStats, x: jax.Array, accept: jax.Array, window: int) -> RollingStats:
+    """Adds ``x`` when ``accept``: refused steps (spikes included) never shape the statistics.
+
+    The first ``window`` values are weighted equally (Welford's running mean and variance);
+    after that each new value has weight ``1 / window``, an exponential window of about that
+    length. Three scalars instead of a buffer: the guard adds no kernels worth timing.
+    """
     accept = accept & jnp.isfinite(x)
-    slot = stats.count % stats.values.shape[0]
-    values = stats.values.at[slot].set(jnp.where(accept, x, stats.values[slot]))
-    return RollingStats(values, stats.count + accept.astype(jnp.int32))
+    n = stats.count + 1
+    w = 1.0 / jnp.minimum(n, window).astype(jnp.float32)
+    delta = x - stats.mean
+    mean = stats.mean + w * delta
+    var = (1.0 - w) * (stats.var + w * jnp.square(delta))
+    return RollingStats(
+        mean=jnp.where(accept, mean, stats.mean),
+        var=jnp.where(accept, var, stats.var),
+        count=stats.count + accept.astype(jnp.int32),
+    )
 
 
 def _flag(condition: jax.Array, reason: Reason) -> jax.Array:
@@ -368,8 +387,8 @@ def refuse_corrupted(
             rollback_needed=jnp.zeros((), jnp.bool_),
             odd_replica=jnp.full((), -1, jnp.int32),
             grad_norm=jnp.zeros((), jnp.float32),
-            grad_norm_stats=_stats_init(config.window),
-            loss_stats=_stats_init(config.window),
+            grad_norm_stats=_stats_init(),
+            loss_stats=_stats_init(),
         )
 
     def update_fn(updates, state: GuardState, params=None, **extra):
@@ -378,11 +397,13 @@ def refuse_corrupted(
         abft_uncorrectable = extra.get("abft_uncorrectable")
         proposed, new_inner_state = inner.update(grads, state.inner_state, params, **extra)
 
-        grad_norm = _global_norm(grads)
+        grad_norm, updates_finite = _norm_and_finite(grads, proposed)
         loss = None if loss is None else jnp.asarray(loss, jnp.float32)
         reason = jnp.int32(0)
         if config.check_nonfinite:
-            finite = _all_finite(grads) & _all_finite(proposed)
+            # A NaN or Inf gradient makes the norm non-finite (so does a gradient beyond 1e19,
+            # which float32 squares to Inf: corrupt just the same).
+            finite = jnp.isfinite(grad_norm) & updates_finite
             if loss is not None:
                 finite &= jnp.isfinite(loss)
             reason |= _flag(~finite, Reason.NONFINITE)
@@ -420,7 +441,7 @@ def refuse_corrupted(
         bits = jnp.array([int(r) for r in Reason], jnp.int32)
         loss_stats = state.loss_stats
         if loss is not None:
-            loss_stats = _stats_push(loss_stats, loss, accept)
+            loss_stats = _stats_push(loss_stats, loss, accept, config.window)
         new_state = GuardState(
             inner_state=inner_state,
             steps=state.steps + 1,
@@ -431,7 +452,7 @@ def refuse_corrupted(
             rollback_needed=consecutive >= config.max_consecutive,
             odd_replica=odd_replica,
             grad_norm=grad_norm,
-            grad_norm_stats=_stats_push(state.grad_norm_stats, grad_norm, accept),
+            grad_norm_stats=_stats_push(state.grad_norm_stats, grad_norm, accept, config.window),
             loss_stats=loss_stats,
         )
         return out_updates, new_state
