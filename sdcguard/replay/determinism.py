@@ -87,7 +87,7 @@ def _sha256(data: bytes) -> str:
 
 def array_hash(x) -> str:
     """sha256 of an array's dtype, shape and bytes."""
-    a = np.ascontiguousarray(np.asarray(x))
+    a = np.require(np.asarray(x), requirements="C")  # keeps 0-d arrays 0-d
     h = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode())
     h.update(a.tobytes())
     return h.hexdigest()
