@@ -4,7 +4,8 @@ Metrics of a compared tensor ``b`` against the reference ``a`` (Ma et al. plus t
 fingerprints of numerical drift):
 
 * ``mismatch_frequency``: mismatched elements / all elements (bitwise comparison);
-* ``mismatch_severity``: mean relative difference ``|b - a| / |a|`` over mismatched elements;
+* ``mismatch_severity``: mean relative difference ``|b - a| / max(|a|, |b|)`` over
+  mismatched elements;
 * ``max_abs_diff``, ``max_ulp``: worst absolute and units-in-the-last-place distance;
 * ``noise_to_signal``: ``‖b - a‖₂ / ‖a‖₂``;
 * ``cosine``: cosine similarity of ``a`` and ``b`` flattened.
@@ -74,7 +75,9 @@ def tensor_metrics(a, b) -> dict:
     with np.errstate(all="ignore"):
         d = np.abs(fb - fa)
         d = np.where(mismatch & ~np.isfinite(d), np.inf, d)  # inf-inf, nan: infinitely wrong
-        rel = d / np.maximum(np.abs(fa), np.finfo(np.float64).tiny)
+        # Relative to the larger magnitude: bounded (<= 2 for finite values) even where the
+        # reference is 0 or denormal, where |Δ|/|a| would be astronomically large.
+        rel = d / np.maximum(np.maximum(np.abs(fa), np.abs(fb)), np.finfo(np.float64).tiny)
         if a.dtype.kind == "f":
             ulp = np.abs(_ordered(bb[mismatch], nbits) - _ordered(ab[mismatch], nbits))
             max_ulp = float(ulp.max()) if count else 0.0

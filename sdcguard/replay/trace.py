@@ -15,7 +15,6 @@ so a launcher such as ``ssh`` carries them over its own stdin/stdout; nothing op
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import re
@@ -287,7 +286,7 @@ def write_tar(trace_dir: str, stream: IO[bytes]) -> None:
             tar.add(os.path.join(trace_dir, name), arcname=name, recursive=False)
 
 
-def read_tar(stream: IO[bytes], out: str) -> Trace:
+def read_trace_stream(stream: IO[bytes], out: str) -> Trace:
     """Unpacks a trace tar stream into the new directory ``out`` and validates it.
 
     Only plain files named like trace files are accepted; anything else (links, paths,
@@ -307,9 +306,3 @@ def read_tar(stream: IO[bytes], out: str) -> Trace:
     except tarfile.TarError as e:
         raise TraceError(f"the trace stream is not a valid tar (truncated?): {e}") from None
     return Trace(out)
-
-
-def tar_bytes(trace_dir: str) -> bytes:
-    buf = io.BytesIO()
-    write_tar(trace_dir, buf)
-    return buf.getvalue()
