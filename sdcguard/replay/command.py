@@ -62,6 +62,13 @@ def register(subparsers) -> None:
     p.add_argument("--node-b", default="local", help="suspect node (default: local)")
     p.add_argument("--inject-a", action="append", default=[], metavar="SPEC")
     p.add_argument("--inject-b", action="append", default=[], metavar="SPEC")
+    p.add_argument(
+        "--arm",
+        type=_csv,
+        default=(),
+        help="extra sites to compile injection "
+        "code for on both nodes (default: the sites of --inject-a/-b)",
+    )
     p.add_argument("--launcher", help="how to reach a host node, e.g. 'ssh {node}'")
     p.add_argument("--remote-command", default="sdcguard", help="sdcguard on the host")
     p.add_argument(

@@ -22,6 +22,8 @@ class CompareOptions:
       node_a, node_b: node names (``local``, ``local:N``, ``trace:DIR``, host).
       record: what each node runs; ``inject`` there is ignored in favour of the two below.
       inject_a, inject_b: fault specs of each node (a simulated faulty node).
+      armed: extra sites to compile injection code for on both nodes (beyond the sites of
+        ``inject_a``/``inject_b``), e.g. to compare with traces recorded with such faults.
       launcher: template for host nodes (``ssh {node}``).
       remote_command: how sdcguard is invoked on a host.
       allow_mismatch: compare even if the fingerprints differ.
@@ -33,6 +35,7 @@ class CompareOptions:
     record: RecordOptions = RecordOptions()
     inject_a: tuple[str, ...] = ()
     inject_b: tuple[str, ...] = ()
+    armed: tuple[str, ...] = ()
     launcher: str | None = None
     remote_command: str = nodes.DEFAULT_REMOTE_COMMAND
     allow_mismatch: bool = False
@@ -42,7 +45,7 @@ class CompareOptions:
         """Record options of A and B: their own faults, the union of both armed."""
         a = dataclasses.replace(self.record, inject=tuple(self.inject_a), armed=None)
         b = dataclasses.replace(self.record, inject=tuple(self.inject_b), armed=None)
-        armed = tuple(sorted(set(a.armed_sites()) | set(b.armed_sites())))
+        armed = tuple(sorted(set(a.armed_sites()) | set(b.armed_sites()) | set(self.armed)))
         return (dataclasses.replace(a, armed=armed), dataclasses.replace(b, armed=armed))
 
 

@@ -59,8 +59,8 @@ def configure() -> str:
     Returns:
       The resulting ``XLA_FLAGS``.
 
-    Warns if JAX's backend already started (then the flags come too late for this process,
-    and the fingerprint records the flags in effect).
+    Warns if JAX's backend already started on an accelerator (then the flags come too late
+    for this process; the fingerprint records the flags in effect).
     """
     flags = os.environ.get("XLA_FLAGS", "").split()
     names = {f.split("=")[0] for f in flags}
@@ -68,6 +68,11 @@ def configure() -> str:
         if flag.split("=")[0] not in names:
             flags.append(flag)
     if _backend_started():
+        import jax
+
+        if jax.default_backend() == "cpu":  # the flags do not affect CPU execution
+            jax.config.update("jax_default_prng_impl", PRNG_IMPL)
+            return os.environ.get("XLA_FLAGS", "")
         warnings.warn(
             "sdcguard.replay.determinism.configure() ran after JAX started its backend; "
             "the deterministic XLA flags apply only to new processes",

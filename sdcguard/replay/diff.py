@@ -78,6 +78,7 @@ def tensor_metrics(a, b) -> dict:
         # Relative to the larger magnitude: bounded (<= 2 for finite values) even where the
         # reference is 0 or denormal, where |Δ|/|a| would be astronomically large.
         rel = d / np.maximum(np.maximum(np.abs(fa), np.abs(fb)), np.finfo(np.float64).tiny)
+        rel = np.where(np.isfinite(d), rel, np.inf)
         if a.dtype.kind == "f":
             ulp = np.abs(_ordered(bb[mismatch], nbits) - _ordered(ab[mismatch], nbits))
             max_ulp = float(ulp.max()) if count else 0.0

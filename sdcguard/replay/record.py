@@ -81,7 +81,8 @@ _PROGRAMS: dict[tuple, capture.Programs] = {}
 
 
 def programs_for(task: ReplayTask, options: RecordOptions) -> capture.Programs:
-    key = (options.task, options.seed, options.checkpoint, options.sites, options.armed_sites())
+    # The programs depend on shapes, not on parameter values: a checkpoint shares them.
+    key = (options.task, options.seed, options.sites, options.armed_sites())
     cached = _PROGRAMS.get(key)
     if cached is None or cached.task.steps != task.steps:
         cached = _PROGRAMS[key] = capture.Programs(
