@@ -95,13 +95,9 @@ class ABFTConfig:
         return site in self.sites and (self.backward if backward else self.forward)
 
     def resolved_implementation(self) -> str:
-        """``'auto'`` resolved for the default backend (the XLA path until kernels exist)."""
-        if self.implementation == "pallas":
-            raise ValueError(
-                "ABFTConfig(implementation='pallas'): the Pallas kernels are not available in "
-                "this version of sdcguard; use implementation='xla' (or 'auto')."
-            )
-        return "xla"
+        """``'xla'`` or ``'pallas'``. ``'auto'`` is the XLA path until GPU timings of the
+        kernels exist; ``'pallas'`` off a GPU runs the kernels in interpret mode (slow)."""
+        return "xla" if self.implementation == "auto" else self.implementation
 
 
 class Counts(NamedTuple):
@@ -451,6 +447,20 @@ def _einsum(st: _Static, ct: Contraction, a, b):
 
 
 def _gemm(st: _Static, ct: Contraction, a, b, plan, site: str, check: bool):
+    if st.config.resolved_implementation() == "pallas":
+        from sdcguard.pallas import matmul as pallas_matmul  # lazy: Pallas is a heavy import
+
+        return pallas_matmul.checked_contraction(
+            a,
+            b,
+            ct,
+            config=st.config,
+            site=site,
+            plan=plan,
+            check=check,
+            precision=st.precision,
+            preferred_element_type=st.preferred_element_type,
+        )
     c = _einsum(st, ct, a, b)
     c = inject.apply(c, plan, site)
     if not check:
@@ -526,7 +536,6 @@ def checked_einsum(
     Example:
       >>> c, counts = checked_einsum("bmk,bkn->bmn", a, b, site="demo:gemm")
     """
-    config.resolved_implementation()
     ct = Contraction.parse(spec, a.ndim, b.ndim)
     if plan is None:
         plan = inject.active_plan(like=a)

@@ -196,7 +196,7 @@ def fault_hits(plan: FaultPlan, sid: int) -> jax.Array:
     return (plan.site == sid) & now
 
 
-def _random_index(seed: jax.Array, sid: int, size: int) -> jax.Array:
+def random_index(seed: jax.Array, sid: int, size: int) -> jax.Array:
     """A well-mixed index in ``[0, size)`` from (seed, site): a murmur3 finaliser, not a PRNG,
     because a full threefry per fault and site makes compilation of big steps slow."""
     h = seed.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) + jnp.uint32(sid)
@@ -219,7 +219,7 @@ def apply(x: jax.Array, plan: FaultPlan | None, site: str) -> jax.Array:
     sid = site_id(site)
     flat = x.reshape(-1)
     index = jnp.where(
-        plan.index >= 0, plan.index % flat.size, _random_index(plan.seed, sid, flat.size)
+        plan.index >= 0, plan.index % flat.size, random_index(plan.seed, sid, flat.size)
     )
     new = jax.vmap(corrupt)(flat[index], plan.kind, plan.bit, plan.value)
     # Faults that do not fire are sent out of bounds and dropped, so they cannot race a firing

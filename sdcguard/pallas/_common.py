@@ -77,7 +77,7 @@ def site_fault_index(plan: inject.FaultPlan, site: str, size: int):
     hits = inject.fault_hits(plan, sid)
     index = jnp.asarray(plan.index)
     # The same (seed, site) -> index hash as inject.apply, so both paths hit one element.
-    flat = jnp.where(index >= 0, index % size, inject._random_index(plan.seed, sid, size))
+    flat = jnp.where(index >= 0, index % size, inject.random_index(plan.seed, sid, size))
     return hits, flat.astype(jnp.int32)
 
 

@@ -1,0 +1,214 @@
+"""The checked contraction: detection, location, correction, tolerance, on raw einsums."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tolerances import assert_close
+
+from sdcguard.abft import (
+    ABFTConfig,
+    Contraction,
+    check_contraction,
+    checked_dot_general,
+    checked_einsum,
+    dot_general_to_einsum,
+    roundoff_gamma,
+)
+from sdcguard.inject import Fault, FaultPlan
+
+SPEC = "bhqd,bhkd->bhqk"  # the scores GEMM
+SITE = "t:scores"
+DTYPES = [jnp.float32, jnp.bfloat16]
+# A high exponent bit per dtype: flipping it scales the value by 2^64 (fp32) / 2^64 (bf16).
+HIGH_BIT = {jnp.float32: 29, jnp.bfloat16: 13}
+
+
+def operands(dtype, shape_a=(2, 3, 32, 16), shape_b=(2, 3, 24, 16), seed=0, scale=1.0):
+    ka, kb = jax.random.split(jax.random.key(seed))
+    a = (scale * jax.random.normal(ka, shape_a)).astype(dtype)
+    b = jax.random.normal(kb, shape_b).astype(dtype)
+    return a, b
+
+
+@jax.jit
+def run(a, b, plan):
+    return checked_einsum(SPEC, a, b, site=SITE, plan=plan)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["inf", "-inf", "nan", "near_inf", "bitflip"])
+def test_single_fault_detected_and_corrected(dtype, kind):
+    a, b = operands(dtype)
+    clean = jnp.einsum(SPEC, a, b)
+    plan = FaultPlan.from_faults([Fault(site=SITE, kind=kind, index=517, bit=HIGH_BIT[dtype])])
+    out, counts = run(a, b, plan)
+    np.testing.assert_array_equal(counts, [1, 1, 0])
+    assert_close(out, clean, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clean_is_untouched(dtype):
+    a, b = operands(dtype)
+    out, counts = run(a, b, FaultPlan.from_faults([], capacity=1))
+    np.testing.assert_array_equal(counts, [0, 0, 0])
+    np.testing.assert_array_equal(out, jnp.einsum(SPEC, a, b))
+
+
+def test_whole_row_is_corrected():
+    """A 1D error (a whole row of one matrix) is repaired from the column checksums."""
+    a, b = operands(jnp.float32)
+    row = [Fault(site=SITE, kind="nan", index=5 * 24 + j) for j in range(24)]
+    out, counts = run(a, b, FaultPlan.from_faults(row))
+    np.testing.assert_array_equal(counts, [1, 1, 0])
+    assert_close(out, jnp.einsum(SPEC, a, b), jnp.float32)
+
+
+def test_row_and_column_in_one_matrix_is_recomputed():
+    """Bad row 3 (all columns) plus one more element in that row's matrix: recompute path."""
+    a, b = operands(jnp.float32)
+    faults = [Fault(site=SITE, kind="scale", value=3.0, index=3 * 24 + j) for j in range(24)]
+    faults.append(Fault(site=SITE, kind="scale", value=3.0, index=9 * 24 + 4))
+    out, counts = run(a, b, FaultPlan.from_faults(faults))
+    # Column 4 holds two located elements and row 3 and 9 both are bad: neither checksum side
+    # nor a single-line recompute explains it.
+    np.testing.assert_array_equal(counts, [1, 0, 1])
+    assert not np.allclose(out, jnp.einsum(SPEC, a, b))
+
+
+def test_two_rows_two_columns_uncorrectable():
+    a, b = operands(jnp.float32)
+    faults = [
+        Fault(site=SITE, kind="scale", value=50.0, index=i) for i in (0, 1, 24, 25)
+    ]  # a 2x2 block in matrix 0
+    out, counts = run(a, b, FaultPlan.from_faults(faults))
+    np.testing.assert_array_equal(counts, [1, 0, 1])
+
+
+def test_faults_in_separate_matrices_each_counted():
+    a, b = operands(jnp.float32)
+    per_matrix = 32 * 24
+    faults = [Fault(site=SITE, kind="inf", index=m * per_matrix + 7) for m in (0, 2, 5)]
+    out, counts = run(a, b, FaultPlan.from_faults(faults))
+    np.testing.assert_array_equal(counts, [3, 3, 0])
+    assert_close(out, jnp.einsum(SPEC, a, b), jnp.float32)
+
+
+def test_detect_only_counts_uncorrectable_and_passes_nothing_silently():
+    a, b = operands(jnp.float32)
+    plan = FaultPlan.from_faults([Fault(site=SITE, kind="nan", index=3)])
+    out, counts = checked_einsum(
+        SPEC, a, b, site=SITE, plan=plan, config=ABFTConfig(correct=False)
+    )
+    np.testing.assert_array_equal(counts, [1, 0, 1])
+    assert np.isnan(np.asarray(out).reshape(-1)[3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("which", ["grad_lhs", "grad_rhs"])
+def test_backward_gemms_checked_and_corrected(dtype, which):
+    a, b = operands(dtype)
+
+    def loss(a, b, sink, plan):
+        c, _ = checked_einsum(SPEC, a, b, site=SITE, plan=plan, sink=sink)
+        return jnp.sum(jnp.sin(c.astype(jnp.float32)))
+
+    plan = FaultPlan.from_faults([Fault(site=f"{SITE}.{which}", kind="nan", index=11)])
+    ga, gb, gsink = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(a, b, jnp.zeros((2, 3)), plan)
+    ref_a, ref_b = jax.grad(lambda a, b: jnp.sum(jnp.sin(jnp.einsum(SPEC, a, b).astype(
+        jnp.float32))), argnums=(0, 1))(a, b)
+    row = 0 if which == "grad_lhs" else 1
+    np.testing.assert_array_equal(gsink[row], [1, 1, 0])
+    np.testing.assert_array_equal(gsink[1 - row], [0, 0, 0])
+    assert_close(ga, ref_a, dtype)
+    assert_close(gb, ref_b, dtype)
+
+
+def test_dot_general_matches_lax():
+    x, w = operands(jnp.float32, (4, 8, 32), (32, 4, 16))
+    dn = (((2,), (0,)), ((), ()))
+    out, counts = checked_dot_general(x, w, dn, site="t:query")
+    np.testing.assert_array_equal(out, jax.lax.dot_general(x, w, dn))
+    np.testing.assert_array_equal(counts, [0, 0, 0])
+    spec = dot_general_to_einsum(3, 3, dn)
+    np.testing.assert_allclose(jnp.einsum(spec, x, w), jax.lax.dot_general(x, w, dn), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("ab,bc", "explicit output"),
+        ("ab,bc,cd->ad", "exactly two operands"),
+        ("ab,cd->ad", "not a pure contraction"),
+        ("aab,bc->ac", "repeated index"),
+    ],
+)
+def test_bad_spec_is_refused(spec, message):
+    with pytest.raises(ValueError, match=message):
+        Contraction.parse(spec, 2, 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sites": ("scores", "attn")}, "unknown ABFT sites"),
+        ({"implementation": "cuda"}, "implementation must be"),
+        ({"safety": 0.5}, "false alarms"),
+    ],
+)
+def test_bad_config_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ABFTConfig(**kwargs)
+
+
+# --- No false positives: many random shapes, scales and dtypes. ---
+
+
+SHAPES = [(1, 1, 1, 1), (1, 7, 5, 3), (2, 33, 17, 64), (3, 48, 48, 96), (1, 64, 3, 256)]
+
+
+@jax.jit
+def _alarms(a, b):
+    c = jnp.einsum("bmk,bkn->bmn", a, b)
+    _, counts = check_contraction(
+        c, a, b, Contraction.parse("bmk,bkn->bmn", 3, 3), config=ABFTConfig()
+    )
+    return counts, jnp.all(jnp.isfinite(c.astype(jnp.float32)))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    shape=st.sampled_from(SHAPES),
+    log_scale=st.floats(-6, 12),
+    offset=st.floats(-3, 3),
+    dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+    seed=st.integers(0, 2**16),
+)
+def test_no_false_positives(shape, log_scale, offset, dtype, seed):
+    """Clean inputs never alarm, including large-magnitude (1e12) and shifted activations."""
+    batch, m, n, k = shape
+    if dtype == "float16":
+        log_scale = min(log_scale, 1.0)  # keep clean float16 products finite
+    ka, kb = jax.random.split(jax.random.key(seed))
+    a = ((jax.random.normal(ka, (batch, m, k)) + offset) * 10.0**log_scale).astype(dtype)
+    b = jax.random.normal(kb, (batch, k, n)).astype(dtype)
+    counts, finite = _alarms(a, b)
+    if not finite:
+        return  # the clean product itself overflowed the dtype: nothing to verify
+    np.testing.assert_array_equal(counts, [0, 0, 0])
+
+
+def test_threshold_is_above_measured_roundoff():
+    """The bound exceeds the worst deviation seen on clean data, with a reported margin."""
+    ratios = []
+    for seed in range(5):
+        a, b = operands(jnp.float32, (8, 64, 256), (8, 256, 64), seed=seed)
+        c = jnp.einsum("bmk,bkn->bmn", a, b)
+        ref = jnp.einsum("bmk,bkn->bn", a, b, precision="highest")
+        bound = jnp.einsum("bmk,bkn->bn", jnp.abs(a), jnp.abs(b), precision="highest")
+        dev = jnp.abs(jnp.sum(c, axis=1) - ref)
+        gamma = roundoff_gamma(out_dtype=jnp.float32, contraction=256, line=64)
+        ratios.append(float(jnp.min(gamma * bound / jnp.maximum(dev, 1e-30))))
+    assert min(ratios) > 1.0

@@ -1,0 +1,27 @@
+"""Per-dtype tolerances for comparing a corrected (or protected) result with the clean one.
+
+A corrected element is rebuilt from a checksum minus the rest of its line, summed in float32
+and rounded once to the output dtype, so it may differ from the clean element by a few units of
+the output's last place relative to the line's magnitude; everything uncorrupted is untouched.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+
+# dtype -> (rtol, atol) for values of order 1.
+TOLERANCES = {
+    jnp.dtype(jnp.float32): (1e-5, 1e-5),  # ~100 float32 ulps: float32 line-sum rounding
+    jnp.dtype(jnp.bfloat16): (2**-6, 2**-5),  # 2-4 bf16 ulps: one rounding of a float32 sum
+}
+# Parity of the protected layers with Flax's when nothing is corrupted.
+PARITY = {
+    jnp.dtype(jnp.float32): (1e-6, 1e-6),  # the issue's bound: same arithmetic, same order
+    jnp.dtype(jnp.bfloat16): (2**-7, 2**-7),  # one bf16 ulp: einsum vs dot_general rounding
+}
+
+
+def assert_close(actual, expected, dtype, table=TOLERANCES):
+    rtol, atol = table[jnp.dtype(dtype)]
+    np.testing.assert_allclose(
+        np.asarray(actual, np.float32), np.asarray(expected, np.float32), rtol=rtol, atol=atol
+    )
