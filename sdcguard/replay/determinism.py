@@ -195,7 +195,9 @@ def fingerprint_differences(a: Mapping, b: Mapping) -> list[str]:
     for field in COMPARED_FIELDS:
         va, vb = a.get(field), b.get(field)
         if isinstance(va, Mapping) and isinstance(vb, Mapping):
-            for key in sorted(set(va) | set(vb)):
+            # A program that only one run compiled (it ran fewer levels) is no difference.
+            keys = set(va) & set(vb) if field == "hlo" else set(va) | set(vb)
+            for key in sorted(keys):
                 if va.get(key) != vb.get(key):
                     diffs.append(
                         f"{field}[{key}]: {_short(va.get(key))} (A) != {_short(vb.get(key))} (B)"

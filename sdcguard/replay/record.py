@@ -141,12 +141,13 @@ def _record(task, options, out, reference, progress) -> dict:
     plan = capture.padded_plan(faults)
     levels = options.levels
     run_steps = task.steps if "trajectory" in levels else 1
-    batches = [task.batch(t) for t in range(run_steps)]
-    inputs = {
+    batches = [task.batch(t) for t in range(task.steps)]
+    inputs = {  # all of the task's batches, whichever levels run: one task, one hash
         "params": determinism.tree_hash(params),
         "opt_state": determinism.tree_hash(opt_state),
         "batches": determinism.tree_hash(batches),
     }
+    batches = batches[:run_steps]
     if reference is not None:
         ref_inputs = reference.manifest["fingerprint"]["inputs"]
         if ref_inputs != inputs:
@@ -191,9 +192,10 @@ def _compiled(programs, name, fn, args, hlo):
     """Compiles ``fn`` for ``args`` once and notes its HLO hash (the program that runs)."""
     cache = programs.__dict__.setdefault("_compiled", {})
     if name not in cache:
-        cache[name] = fn.lower(*args).compile()
-    hlo[name] = determinism.hlo_hash(cache[name])
-    return cache[name]
+        compiled = fn.lower(*args).compile()
+        cache[name] = (compiled, determinism.hlo_hash(compiled))
+    compiled, hlo[name] = cache[name]
+    return compiled
 
 
 def _record_submodule(programs, writer, params, batch, plan, reference, hlo):
@@ -241,7 +243,7 @@ def _record_steps(programs, writer, params, opt_state, batches, plan, hlo, progr
 
 
 def _record_synced(programs, writer, params, opt_state, batches, plan, reference, progress):
-    run = programs.__dict__["_compiled"]["train_step"]
+    run = programs.__dict__["_compiled"]["train_step"][0]
     names = reference.manifest["params"]
     treedef = jax.tree.structure(params)
     opt_def = jax.tree.structure(opt_state)
