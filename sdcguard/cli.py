@@ -13,6 +13,7 @@ import sys
 # Subcommand modules, in the order `sdcguard --help` lists them.
 COMMANDS = (
     "sdcguard.demo",
+    "sdcguard.replay.command",
 )
 
 

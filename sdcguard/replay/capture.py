@@ -46,24 +46,10 @@ INPUTS = "(inputs)"  # producer of the root module's inputs (the batch)
 
 
 def padded_plan(faults: Sequence[inject.Fault] = ()) -> inject.FaultPlan:
-    """A FaultPlan with exactly FAULT_SLOTS entries; the unused ones target no site."""
+    """A FaultPlan with exactly FAULT_SLOTS entries; the unused ones are inert."""
     if len(faults) > FAULT_SLOTS:
         raise ValueError(f"at most {FAULT_SLOTS} faults per node, got {len(faults)}")
-    plan = inject.FaultPlan.from_faults(list(faults))
-    pad = FAULT_SLOTS - len(faults)
-
-    def grow(x, fill):
-        return np.concatenate([np.asarray(x), np.full((pad,), fill, np.asarray(x).dtype)])
-
-    return plan._replace(
-        site=grow(plan.site, -1),  # site ids are >= 0: -1 never matches
-        kind=grow(plan.kind, 0),
-        index=grow(plan.index, 0),
-        seed=grow(plan.seed, 0),
-        step=grow(plan.step, -1),
-        bit=grow(plan.bit, 0),
-        value=grow(plan.value, 0.0),
-    )
+    return inject.FaultPlan.from_faults(list(faults), capacity=FAULT_SLOTS)
 
 
 # While a program is traced: the sites whose injection code is compiled in ("armed"), and the
@@ -76,25 +62,24 @@ def apply_fault(x: jax.Array, plan: inject.FaultPlan | None, site: str) -> jax.A
     """``inject.apply`` restricted to armed sites, for plans with host-resolved indices.
 
     Same semantics as ``inject.apply`` (index modulo size, same corruption), but:
-    only the armed sites get injection code (an unarmed site compiles to nothing), and the
-    random index is drawn on the host (:func:`resolve_plan`), not by a PRNG in the program.
-    With ~150 sites and a PRNG and scatter per site and fault slot, the program otherwise
-    takes minutes to compile on a CPU.
+    only the armed sites get injection code (an unarmed site compiles to nothing: a replay
+    program has ~150 sites, and injection code at all of them multiplies its compile time),
+    the random index is resolved on the host (:func:`resolve_plan`), and the gradient passes
+    through the fault unchanged.
     """
     if _SITE_SIZES is not None:
         _SITE_SIZES.setdefault(site, int(np.prod(x.shape)))
     if plan is None or plan.num_faults == 0 or site not in _ARMED:
         return x
-    hits = inject.fault_hits(plan, site_id(site))
     flat = x.reshape(-1)
-    for f in range(plan.num_faults):
-        idx = plan.index[f] % flat.size
-        old = flat[idx]
-        new = inject.corrupt(old, plan.kind[f], plan.bit[f], plan.value[f])
-        flat = flat.at[idx].set(jnp.where(hits[f], new, old))
+    index = plan.index % flat.size  # resolved on the host: never the "random" -1
+    new = jax.vmap(inject.corrupt)(flat[index], plan.kind, plan.bit, plan.value)
+    # As inject.apply: faults that do not fire go out of bounds and are dropped.
+    index = jnp.where(inject.fault_hits(plan, site_id(site)), index, flat.size)
+    faulty = flat.at[index].set(new, mode="drop")
     # A faulty chip computes its backward as if the value were right: the gradient passes
     # through the fault unchanged (``.at[].set`` alone would zero it at the faulty element).
-    return _straight_through(x, flat.reshape(x.shape))
+    return _straight_through(x, faulty.reshape(x.shape))
 
 
 @jax.custom_vjp
@@ -148,8 +133,7 @@ def resolve_plan(faults: Sequence[inject.Fault], sizes: dict[str, int]) -> list[
             listing = "\n  ".join(sizes)
             raise ValueError(f"unknown site {f.site!r}; valid sites:\n  {listing}")
         if f.index is None:
-            key = jax.random.fold_in(jax.random.key(f.seed), site_id(f.site))
-            index = int(jax.random.randint(key, (), 0, sizes[f.site], dtype=jnp.int32))
+            index = int(inject.random_index(jnp.int32(f.seed), site_id(f.site), sizes[f.site]))
             f = dataclasses.replace(f, index=index)
         out.append(f)
     return out

@@ -183,6 +183,7 @@ def _compare(args) -> int:
         record=_record_options(args),
         inject_a=tuple(args.inject_a),
         inject_b=tuple(args.inject_b),
+        armed=tuple(s for s in args.arm if s != "-"),
         launcher=args.launcher,
         remote_command=args.remote_command,
         allow_mismatch=args.allow_mismatch,

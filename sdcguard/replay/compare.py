@@ -59,6 +59,8 @@ def compare_nodes(options: CompareOptions, *, progress=None) -> diff.Comparison:
     opts_a, opts_b = options.node_options()
     for opts in (opts_a, opts_b):
         opts.faults()  # a malformed spec fails here, before anything runs
+    if opts_a.inject or opts_b.inject:
+        _check_sites(opts_b)
     workdir = options.workdir or tempfile.mkdtemp(prefix="sdcguard-replay-")
     common = dict(
         workdir=workdir,
@@ -69,3 +71,16 @@ def compare_nodes(options: CompareOptions, *, progress=None) -> diff.Comparison:
     trace_a = nodes.run_node(node_a, opts_a, **common)
     trace_b = nodes.run_node(node_b, opts_b, reference=trace_a, **common)
     return diff.compare(trace_a, trace_b, allow_mismatch=options.allow_mismatch)
+
+
+def _check_sites(options: RecordOptions) -> None:
+    """Unknown fault sites fail before any node runs (tracing only, nothing compiled)."""
+    from sdcguard.replay.record import programs_for
+
+    task = options.load_task()
+    params = task.init_params()
+    sites = programs_for(task, options).sites(params, task.optimizer.init(params), task.batch(0))
+    for spec in options.armed_sites():
+        if spec not in sites:
+            listing = "\n  ".join(sites)
+            raise ValueError(f"unknown site {spec!r}; valid sites:\n  {listing}")
