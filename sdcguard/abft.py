@@ -18,6 +18,8 @@ every quantity compared is a sum of products ``a·b``, so for a column
     |eᵀC_computed − (eᵀA)B| ≤ γ · ((eᵀ|A|)|B|),
     γ = 2·u_in + u_out + (2·(K + L) + 2)·u_acc
 
+plus ``L`` times the output dtype's smallest subnormal for gradual underflow
+
 where ``K`` is the contraction length, ``L`` the length of the summed line (``M`` for a column
 checksum, ``N`` for a row), ``u_acc`` the unit round-off of the float32 accumulator,
 ``u_out`` that of the output dtype (each element of C is rounded once on the way out) and
@@ -262,20 +264,6 @@ def _axes(term: str, letters: str) -> tuple[int, ...]:
     return tuple(term.index(c) for c in letters)
 
 
-def _canonical(x: jax.Array, term: str, groups: tuple[str, ...]) -> jax.Array:
-    """Transposes ``x`` (letters ``term``) to the letter groups and flattens each group."""
-    order = "".join(groups)
-    y = jnp.transpose(x, _axes(term, order))
-    sizes = [int(np.prod([x.shape[term.index(c)] for c in g], dtype=np.int64)) for g in groups]
-    return y.reshape(sizes)
-
-
-def _uncanonical(y: jax.Array, term: str, groups: tuple[str, ...], shape_of: dict) -> jax.Array:
-    order = "".join(groups)
-    y = y.reshape([shape_of[c] for c in order])
-    return jnp.transpose(y, _axes(order, term))
-
-
 # --- Check and correct one contraction ---------------------------------------------------------
 
 
@@ -330,59 +318,64 @@ def check_contraction(
         out_dtype=c.dtype, contraction=k, line=n, input_unit=u_in, safety=config.safety
     )
     # `not <=` so that NaN deviations are flagged too.
-    bad_col = ~(jnp.abs(col_sum - col_ref) <= gamma_col * col_bound)
-    bad_row = ~(jnp.abs(row_sum - row_ref) <= gamma_row * row_bound)
+    # Gradual underflow: an element rounded into the subnormal range errs by up to half the
+    # subnormal spacing, whatever its magnitude; a line of L elements by L times that.
+    tiny = float(jnp.finfo(c.dtype).smallest_subnormal)
+    bad_col = ~(jnp.abs(col_sum - col_ref) <= gamma_col * col_bound + m * tiny)
+    bad_row = ~(jnp.abs(row_sum - row_ref) <= gamma_row * row_bound + n * tiny)
     flagged_any = jnp.any(bad_col) | jnp.any(bad_row)
 
-    groups = (ct.batch, ct.lhs_free, ct.rhs_free)
+    # Everything below works in C's own layout: a per-column array (letters `col_term`, a
+    # subsequence of `ct.out`) broadcasts against C after a reshape that inserts unit axes, so
+    # no transposes are needed and the correction branch stays small to compile.
+    out = ct.out
+
+    def on_c(x, term):
+        return x.reshape([dims[x_] if x_ in term else 1 for x_ in out])
+
+    def axes(term, letters):
+        return tuple(i for i, x_ in enumerate(term) if x_ in letters)
+
+    lhs_axes, rhs_axes = axes(out, ct.lhs_free), axes(out, ct.rhs_free)
+    col_free, row_free = axes(col_term, ct.rhs_free), axes(row_term, ct.lhs_free)
 
     def locate_and_correct(_):
-        c3 = _canonical(c32, ct.out, groups)  # [batch, M, N]
-        bc = _canonical(bad_col, col_term, (ct.batch, ct.rhs_free))  # [batch, N]
-        br = _canonical(bad_row, row_term, (ct.batch, ct.lhs_free))  # [batch, M]
-        cref = _canonical(col_ref, col_term, (ct.batch, ct.rhs_free))
-        rref = _canonical(row_ref, row_term, (ct.batch, ct.lhs_free))
-        in_line = br[:, :, None] | bc[:, None, :]
-        extreme = (~jnp.isfinite(c3) | (jnp.abs(c3) >= config.near_inf)) & in_line
-        located = extreme | (br[:, :, None] & bc[:, None, :])
-        per_col = jnp.sum(located, axis=1)  # [batch, N]
-        per_row = jnp.sum(located, axis=2)  # [batch, M]
-        some = jnp.any(located, axis=(1, 2))
-        # Every flagged line must hold a located element, and on the side used for the repair
-        # each line must hold at most one.
-        covered = jnp.all(~br | (per_row > 0), axis=1) & jnp.all(~bc | (per_col > 0), axis=1)
-        by_col = some & covered & jnp.all(per_col <= 1, axis=1)
-        by_row = some & covered & jnp.all(per_row <= 1, axis=1) & ~by_col
-        rest_col = jnp.sum(jnp.where(located, 0.0, c3), axis=1)  # [batch, N]
-        rest_row = jnp.sum(jnp.where(located, 0.0, c3), axis=2)  # [batch, M]
-        fixed = jnp.where(located & by_col[:, None, None], (cref - rest_col)[:, None, :], c3)
-        fixed = jnp.where(located & by_row[:, None, None], (rref - rest_row)[:, :, None], fixed)
+        br, bc = on_c(bad_row, row_term), on_c(bad_col, col_term)
+        extreme = (~jnp.isfinite(c32) | (jnp.abs(c32) >= config.near_inf)) & (br | bc)
+        located = extreme | (br & bc)
+        per_col = jnp.sum(located, axis=lhs_axes)  # letters col_term
+        per_row = jnp.sum(located, axis=rhs_axes)  # letters row_term
+        # Per matrix of the batch: every flagged line must hold a located element, and on the
+        # side used for the repair each line must hold at most one.
+        some = jnp.any(located, axis=lhs_axes + rhs_axes)
+        covered = jnp.all(~bad_row | (per_row > 0), axis=row_free) & jnp.all(
+            ~bad_col | (per_col > 0), axis=col_free
+        )
+        by_col = some & covered & jnp.all(per_col <= 1, axis=col_free)
+        by_row = some & covered & jnp.all(per_row <= 1, axis=row_free) & ~by_col
+        clean_part = jnp.where(located, 0.0, c32)
+        from_col = on_c(col_ref - jnp.sum(clean_part, axis=lhs_axes), col_term)
+        from_row = on_c(row_ref - jnp.sum(clean_part, axis=rhs_axes), row_term)
+        batch = ct.batch
+        fixed = jnp.where(located & on_c(by_col, batch), from_col, c32)
+        fixed = jnp.where(located & on_c(by_row, batch), from_row, fixed)
+        # A single bad row (or column) that the checksums cannot repair is recomputed.
+        n_rows = jnp.sum(bad_row, axis=row_free)
+        n_cols = jnp.sum(bad_col, axis=col_free)
+        one_row = (n_rows == 1) & ~by_col & ~by_row
+        one_col = (n_cols == 1) & ~by_col & ~by_row & ~one_row
+        fresh = jnp.einsum(ct.spec, a32, b32, precision="highest")
+        redo = (br & on_c(one_row, batch)) | (bc & on_c(one_col, batch))
+        fixed = jnp.where(redo, fresh, fixed)
 
-        # A whole bad row (or column) that checksums cannot repair: recompute it from A and B.
-        a3 = _canonical(a32, ct.lhs, (ct.batch, ct.lhs_free, ct.contracted))  # [batch, M, K]
-        b3 = _canonical(b32, ct.rhs, (ct.batch, ct.contracted, ct.rhs_free))  # [batch, K, N]
-        one_row = (jnp.sum(br, axis=1) == 1) & ~by_col & ~by_row
-        one_col = (jnp.sum(bc, axis=1) == 1) & ~by_col & ~by_row & ~one_row
-        r = jnp.argmax(br, axis=1)
-        q = jnp.argmax(bc, axis=1)
-        a_row = jnp.take_along_axis(a3, r[:, None, None], axis=1)  # [batch, 1, K]
-        b_col = jnp.take_along_axis(b3, q[:, None, None], axis=2)  # [batch, K, 1]
-        new_row = jnp.einsum("bik,bkn->bin", a_row, b3, precision="highest")
-        new_col = jnp.einsum("bmk,bkj->bmj", a3, b_col, precision="highest")
-        rows = jnp.arange(m)[None, :, None] == r[:, None, None]
-        cols = jnp.arange(n)[None, None, :] == q[:, None, None]
-        fixed = jnp.where(rows & one_row[:, None, None], new_row, fixed)
-        fixed = jnp.where(cols & one_col[:, None, None], new_col, fixed)
-
-        flagged = jnp.any(br, axis=1) | jnp.any(bc, axis=1)
+        flagged = (n_rows > 0) | (n_cols > 0)
         repaired = flagged & (by_col | by_row | one_row | one_col)
         if not config.correct:
-            fixed, repaired = c3, jnp.zeros_like(repaired)
+            fixed, repaired = c32, jnp.zeros_like(repaired)
         counts = jnp.stack(
             [jnp.sum(flagged), jnp.sum(repaired), jnp.sum(flagged & ~repaired)]
         ).astype(jnp.int32)
-        out = _uncanonical(fixed, ct.out, groups, dims).astype(c.dtype)
-        return out, counts
+        return fixed.astype(c.dtype), counts
 
     return jax.lax.cond(flagged_any, locate_and_correct, lambda _: (c, zero_counts()), None)
 

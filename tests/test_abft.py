@@ -83,7 +83,7 @@ def test_two_rows_two_columns_uncorrectable():
     faults = [
         Fault(site=SITE, kind="scale", value=50.0, index=i) for i in (0, 1, 24, 25)
     ]  # a 2x2 block in matrix 0
-    out, counts = run(a, b, FaultPlan.from_faults(faults))
+    _, counts = run(a, b, FaultPlan.from_faults(faults))
     np.testing.assert_array_equal(counts, [1, 0, 1])
 
 
@@ -99,9 +99,7 @@ def test_faults_in_separate_matrices_each_counted():
 def test_detect_only_counts_uncorrectable_and_passes_nothing_silently():
     a, b = operands(jnp.float32)
     plan = FaultPlan.from_faults([Fault(site=SITE, kind="nan", index=3)])
-    out, counts = checked_einsum(
-        SPEC, a, b, site=SITE, plan=plan, config=ABFTConfig(correct=False)
-    )
+    out, counts = checked_einsum(SPEC, a, b, site=SITE, plan=plan, config=ABFTConfig(correct=False))
     np.testing.assert_array_equal(counts, [1, 0, 1])
     assert np.isnan(np.asarray(out).reshape(-1)[3])
 
@@ -117,8 +115,9 @@ def test_backward_gemms_checked_and_corrected(dtype, which):
 
     plan = FaultPlan.from_faults([Fault(site=f"{SITE}.{which}", kind="nan", index=11)])
     ga, gb, gsink = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(a, b, jnp.zeros((2, 3)), plan)
-    ref_a, ref_b = jax.grad(lambda a, b: jnp.sum(jnp.sin(jnp.einsum(SPEC, a, b).astype(
-        jnp.float32))), argnums=(0, 1))(a, b)
+    ref_a, ref_b = jax.grad(
+        lambda a, b: jnp.sum(jnp.sin(jnp.einsum(SPEC, a, b).astype(jnp.float32))), argnums=(0, 1)
+    )(a, b)
     row = 0 if which == "grad_lhs" else 1
     np.testing.assert_array_equal(gsink[row], [1, 1, 0])
     np.testing.assert_array_equal(gsink[1 - row], [0, 0, 0])

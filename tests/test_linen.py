@@ -1,0 +1,202 @@
+"""Linen drop-ins: parity with Flax, protect(), and every site x kind in a training step."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from tolerances import PARITY, TOLERANCES, assert_close
+
+import sdcguard
+from sdcguard import linen as sl
+from sdcguard.inject import Fault, FaultPlan
+from sdcguard.models import ByteBatches, GPTConfig
+from sdcguard.sites import ATTENTION_SITES, GEMM_SITES, GRAD_SUFFIXES
+from sdcguard.training import UNCHECKED, TrainConfig, make_train_step
+
+FEATURES, HEADS, LENGTH, BATCH = 32, 4, 12, 2
+
+
+def make_pair(**kwargs):
+    flax_layer = nn.MultiHeadDotProductAttention(num_heads=HEADS, **kwargs)
+    ours = sl.MultiHeadDotProductAttention(num_heads=HEADS, **kwargs)
+    return flax_layer, ours
+
+
+def inputs(dtype=jnp.float32):
+    x = jax.random.normal(jax.random.key(1), (BATCH, LENGTH, FEATURES)).astype(dtype)
+    padding = jnp.arange(LENGTH)[None, :] < jnp.array([[LENGTH], [LENGTH - 4]])
+    return x, padding
+
+
+PARITY_CASES = [
+    *[(v, jnp.float32) for v in ("plain", "padding_mask", "causal", "normalize_qk")],
+    *[(v, jnp.float32) for v in ("dropout", "sow_weights", "cross")],
+    ("plain", jnp.bfloat16),
+    ("padding_mask", jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("variant, dtype", PARITY_CASES)
+def test_parity_with_flax(variant, dtype):
+    kwargs = {"dtype": dtype}
+    call = {}
+    x, padding = inputs(dtype)
+    if variant == "padding_mask":
+        call["mask"] = nn.make_attention_mask(padding, padding)
+    if variant == "causal":
+        call["mask"] = nn.make_causal_mask(jnp.ones((BATCH, LENGTH)))
+    if variant == "normalize_qk":
+        kwargs["normalize_qk"] = True
+    if variant == "dropout":
+        kwargs["dropout_rate"] = 0.3
+        call["deterministic"] = False
+    if variant == "sow_weights":
+        call["sow_weights"] = True
+    args = (x, x[:, ::-1] * 0.5) if variant == "cross" else (x,)
+    flax_layer, ours = make_pair(**kwargs)
+    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(2)}
+    v_flax = flax_layer.init(rngs, *args, **call)
+    v_ours = ours.init(rngs, *args, **call)
+    # Same parameter tree, same values: a Flax checkpoint loads unchanged.
+    jax.tree_util.tree_map(np.testing.assert_array_equal, v_flax["params"], v_ours["params"])
+
+    def loss(layer, params, collections):
+        out, state = layer.apply(
+            {"params": params},
+            *args,
+            **call,
+            rngs={"dropout": jax.random.key(3)},
+            mutable=collections,
+        )
+        return jnp.sum(out.astype(jnp.float32) ** 2), (out, state)
+
+    def grads(layer, collections):
+        fn = jax.value_and_grad(
+            functools.partial(loss, layer, collections=collections), has_aux=True
+        )
+        return jax.jit(fn)(v_flax["params"])
+
+    (_, (out_f, st_f)), g_f = grads(flax_layer, ["intermediates"])
+    (_, (out_o, st_o)), g_o = grads(ours, ["intermediates", "sdc"])
+    assert_close(out_o, out_f, dtype, PARITY)
+    jax.tree_util.tree_map(lambda a, b: assert_close(a, b, dtype, TOLERANCES), g_o, g_f)
+    if variant == "sow_weights":
+        assert_close(
+            st_o["intermediates"]["attention_weights"][0],
+            st_f["intermediates"]["attention_weights"][0],
+            dtype,
+            PARITY,
+        )
+    np.testing.assert_array_equal(sl.total_counts(st_o["sdc"]), [0, 0, 0])
+
+
+def test_decode_cache_parity():
+    flax_layer, ours = make_pair(decode=True)
+    x, _ = inputs()
+    v = flax_layer.init(jax.random.key(0), x)
+    cache_f = cache_o = v["cache"]
+    apply_f = jax.jit(functools.partial(flax_layer.apply, mutable=["cache"]))
+    apply_o = jax.jit(functools.partial(ours.apply, mutable=["cache", "sdc"]))
+    for t in range(4):
+        token = x[:, t : t + 1]
+        out_f, upd_f = apply_f({"params": v["params"], "cache": cache_f}, token)
+        out_o, upd_o = apply_o({"params": v["params"], "cache": cache_o}, token)
+        cache_f, cache_o = upd_f["cache"], upd_o["cache"]
+        assert_close(out_o, out_f, jnp.float32, PARITY)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, cache_f, cache_o)
+
+
+def test_attention_fn_injection_point():
+    """sdcguard.dot_product_attention as the attention_fn of a plain Flax layer."""
+    x, _ = inputs()
+    plain = nn.MultiHeadDotProductAttention(num_heads=HEADS)
+    hooked = nn.MultiHeadDotProductAttention(
+        num_heads=HEADS,
+        attention_fn=functools.partial(sdcguard.dot_product_attention, abft=sdcguard.ABFTConfig()),
+    )
+    v = plain.init(jax.random.key(0), x)
+    out, state = jax.jit(functools.partial(hooked.apply, mutable=["sdc"]))(v, x)
+    assert_close(out, jax.jit(plain.apply)(v, x), jnp.float32, PARITY)
+    assert state["sdc"]["counts"].shape == (len(ATTENTION_SITES), 3)
+
+
+def test_custom_attention_fn_is_refused():
+    x, _ = inputs()
+    layer = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=lambda q, k, v, **kw: q)
+    with pytest.raises(ValueError, match="custom attention_fn"), sl.protect():
+        layer.init(jax.random.key(0), x)
+
+
+def test_plan_captured_as_constant_is_refused():
+    x, _ = inputs()
+    layer = sl.MultiHeadDotProductAttention(num_heads=HEADS)
+    v = layer.init(jax.random.key(0), x)
+    plan = FaultPlan.from_faults([Fault(site="attention:scores", kind="nan", index=0)])
+
+    def f(x):
+        with sdcguard.inject.faults(plan):
+            return layer.apply(v, x)
+
+    with pytest.raises(ValueError, match="argument of the jitted function"):
+        jax.jit(f)(x)
+
+
+# --- Every site x kind, forward and backward, in a reference-GPT training step. -------------
+
+TINY = dict(num_layers=1, d_model=32, num_heads=4, seq_len=16)
+FWD_SITES = list(ATTENTION_SITES)
+BWD_SITES = [s + g for s in GEMM_SITES for g in GRAD_SUFFIXES]
+KINDS = ["inf", "-inf", "nan", "near_inf", "bitflip"]
+HIGH_BIT = {"float32": 30, "bfloat16": 14}  # the top exponent bit
+
+
+@functools.cache
+def stepper(dtype: str, protected: bool):
+    config = TrainConfig(
+        model=GPTConfig(dtype=dtype, **TINY),
+        batch_size=2,
+        abft=sdcguard.ABFTConfig() if protected else UNCHECKED,
+    )
+    # SGD with lr 1 makes the parameter change equal to the gradient: the test compares grads.
+    state, step = make_train_step(config, optax.sgd(1.0))
+    batch = ByteBatches(batch_size=2, seq_len=16).batch(0)
+    clean_state, clean = step(state, batch, FaultPlan.from_faults([], capacity=1))
+    return state, step, batch, clean_state, clean
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("site", FWD_SITES + BWD_SITES)
+def test_fault_corrected_in_training_step(site, kind, dtype):
+    state, step, batch, clean_state, clean = stepper(dtype, True)
+    full_site = f"decoder/block_0/attn:{site}"
+    plan = FaultPlan.from_faults(
+        [Fault(site=full_site, kind=kind, index=37, bit=HIGH_BIT[dtype])], capacity=1
+    )
+    new_state, out = step(state, batch, plan)
+    counts = {**sl.site_counts(out.sdc), **sl.backward_site_counts(out.sink_grads)}
+    np.testing.assert_array_equal(counts.pop(full_site), [1, 1, 0])
+    assert all(not c.any() for c in counts.values()), "another site alarmed"
+    assert np.isfinite(out.loss)
+    tol = "float32" if dtype == "float32" else "bfloat16"
+    assert_close(out.loss, clean.loss, tol)
+    jax.tree_util.tree_map(
+        lambda a, b: assert_close(a, b, tol), new_state.params, clean_state.params
+    )
+
+
+@pytest.mark.parametrize("kind", ["inf", "nan"])
+@pytest.mark.parametrize("site", ["scores", "context", "query", "scores.grad_lhs"])
+def test_same_fault_unprotected_breaks_training(site, kind):
+    """The harm prevented: without checks the same fault makes the loss or parameters NaN."""
+    state, step, batch, _, _ = stepper("float32", False)
+    plan = FaultPlan.from_faults(
+        [Fault(site=f"decoder/block_0/attn:{site}", kind=kind, index=37)], capacity=1
+    )
+    new_state, _ = step(state, batch, plan)
+    _, out2 = step(new_state, batch, FaultPlan.from_faults([], capacity=1))
+    assert not np.isfinite(out2.loss)
