@@ -230,3 +230,34 @@ def test_two_subprocesses_and_launcher_bit_identical(tmp_path):
     for t in traces:
         flags = open_trace(str(t)).manifest["fingerprint"]["xla_flags"]
         assert "--xla_gpu_deterministic_ops=true" in flags
+
+
+def test_cli_record_then_compare_traces(tmp_path, capsys):
+    base = ["--steps", str(STEPS), "--levels", "submodule,step", "--arm", ",".join(ARMED)]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert command.main(["record", *base, "--out", a]) == 0
+    spec = _spec("decoder/block_0/attn:out.grad_lhs")
+    assert command.main(["record", *base, "--out", b, "--reference", a, "--inject", spec]) == 0
+    assert command.main(["compare", "--node-a", f"trace:{a}", "--node-b", f"trace:{a}"]) == 0
+    assert "identical: every compared tensor is bit-identical" in capsys.readouterr().out
+    assert command.main(["compare", "--node-a", f"trace:{a}", "--node-b", f"trace:{b}"]) == 1
+    out = capsys.readouterr().out
+    assert "submodule level (lock-step)" in out
+    assert "first divergence: submodule level, backward" in out
+
+
+def test_sites_patterns_limit_capture(trace_a):
+    from sdcguard.replay.capture import Programs
+
+    task = reference_task(steps=STEPS)
+    params = task.init_params()
+    taps = Programs(task, select=("decoder/block_1/mlp*",)).taps(params, task.batch(0))
+    modules = {t.module for t in taps}
+    assert modules == {
+        "decoder/block_1/mlp",
+        "decoder/block_1/mlp/fc_in",
+        "decoder/block_1/mlp/fc_out",
+        "decoder/block_1/mlp/Dropout_0",
+    }
+    everything = {t["module"] for t in trace_a.manifest["taps"]}
+    assert modules < everything

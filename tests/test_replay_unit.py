@@ -309,3 +309,17 @@ def test_bad_node_exit_2(capsys):
     assert "bad node" in capsys.readouterr().err
     assert command.main(["compare", "--node-a", "trace:/nonexistent", "--node-b", "gpu7"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_captures_stream_to_disk_in_chunks(tmp_path, monkeypatch):
+    from sdcguard.replay import trace as trace_mod
+
+    monkeypatch.setattr(trace_mod, "CHUNK_BYTES", 4096)
+    w = TraceWriter(str(tmp_path / "t"))
+    for i in range(10):
+        w.add(f"x/{i}", np.full(1024, i, np.float32))  # 4 KiB each: one chunk per array
+        assert len(w._chunk) <= 1  # never more than one chunk held in memory
+    w.finish({})
+    t = Trace(str(tmp_path / "t"))
+    assert len(t.manifest["files"]) == 10
+    assert [float(t.get(f"x/{i}")[0]) for i in range(10)] == list(range(10))
