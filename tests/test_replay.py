@@ -261,3 +261,47 @@ def test_sites_patterns_limit_capture(trace_a):
     }
     everything = {t["module"] for t in trace_a.manifest["taps"]}
     assert modules < everything
+
+
+def nnx_task():
+    """A tiny NNX regression task (wrapped for linen), named ``test_replay:nnx_task``."""
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from sdcguard.replay.task import ReplayTask
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(8, 16, rngs=rngs)
+            self.b = nnx.Linear(16, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(nnx.relu(self.a(x)))
+
+    return ReplayTask(
+        name="nnx-mlp",
+        model=nnx.bridge.to_linen(MLP),
+        batches=lambda i: np.random.default_rng(i).normal(size=(4, 9)).astype(np.float32),
+        model_inputs=lambda b: (b[:, :8],),
+        loss=lambda y, b: jnp.mean((y[:, 0] - b[:, 8]) ** 2),
+        optimizer=optax.sgd(0.1),
+        steps=2,
+    )
+
+
+def test_nnx_task_replays_and_detects(tmp_path):
+    opts = RecordOptions(task="test_replay:nnx_task")
+    assert compare_nodes(
+        CompareOptions(record=opts, armed=("model:output",), workdir=str(tmp_path))
+    ).identical
+    c = compare_nodes(
+        CompareOptions(
+            record=opts,
+            inject_b=("site=model:output,kind=scale,value=2,index=1,step=0",),
+            workdir=str(tmp_path),
+        )
+    )
+    assert (c.first_divergence.level, c.first_divergence.module) == ("submodule", "model")
+    assert c.trajectory["grad_noise_to_signal_synced"][1] == 0  # the fault was at step 0 only

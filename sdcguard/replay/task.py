@@ -34,6 +34,8 @@ class ReplayTask:
 
     Attributes:
       model: a Flax linen module. Its submodules are the units of the lock-step comparison.
+        An NNX model runs wrapped as ``flax.nnx.bridge.to_linen(ModelClass, ...)``: every
+        level works, and the submodule level sees the wrapper as one submodule.
       batches: ``batches(step)`` -> the batch of that step (a pytree of arrays), identical on
         every machine (e.g. ``ByteBatches().batch``).
       model_inputs: ``model_inputs(batch)`` -> tuple of positional arguments of ``model.apply``.
