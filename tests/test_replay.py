@@ -244,6 +244,12 @@ def test_cli_record_then_compare_traces(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "submodule level (lock-step)" in out
     assert "first divergence: submodule level, backward" in out
+    # A recorded trace as node A: the local node B replays exactly what A recorded.
+    assert command.main(["compare", "--node-a", f"trace:{a}", "--node-b", "local"]) == 0
+    spec = _spec("decoder/block_0/mlp:output")
+    argv = ["compare", "--node-a", f"trace:{a}", "--node-b", "local", "--inject-b", spec]
+    assert command.main(argv) == 1
+    assert "in decoder/block_0/mlp " in capsys.readouterr().out
 
 
 def test_sites_patterns_limit_capture(trace_a):

@@ -250,8 +250,6 @@ class Hooks:
         self.sinks, self.fwd_refs, self.bwd_refs, self.use_ref = sinks, fwd_refs, bwd_refs, use_ref
         self.taps: list[Tap] = []
         self.records: dict[str, jax.Array] = {}
-        self.output_sites: list[str] = []
-        self.attention_modules: list[str] = []
         self._stack: list[str] = []
         self._calls: dict[str, int] = {}
 
@@ -299,8 +297,6 @@ class Hooks:
         self._calls[call_id] = count + 1
         suffix = f"#{count}" if count else ""
         caller = self._stack[-1] if self._stack else None
-        if isinstance(context.module, nn.MultiHeadDotProductAttention) and method == "__call__":
-            self.attention_modules.append(path)
         tapped = self.selected(path)
 
         if tapped:
@@ -330,7 +326,6 @@ class Hooks:
             x = leaves[i]
             if jnp.issubdtype(x.dtype, jnp.inexact):
                 x = apply_fault(x, self.plan, site)
-                self.output_sites.append(site)
             if tapped:
                 x = self._tap(
                     site,
@@ -394,6 +389,8 @@ class Programs:
         self.capture = jax.jit(_with_resolved_injection(self._capture, self.armed))
         self._taps: list[Tap] | None = None
         self._discovered: Hooks | None = None
+        # Compiled executables and their HLO hashes, by program name (see record.py).
+        self.compiled: dict[str, tuple] = {}
         self._site_sizes: dict[str, int] | None = None
 
     # --- the train step --------------------------------------------------------------------

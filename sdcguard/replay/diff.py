@@ -243,6 +243,12 @@ def compare(a: Trace, b: Trace, *, allow_mismatch: bool = False) -> Comparison:
     )
     if a.manifest["task"] != b.manifest["task"]:
         diffs.insert(0, f"task: {a.manifest['task']} (A) != {b.manifest['task']} (B)")
+    armed_a, armed_b = (t.manifest.get("options", {}).get("armed") for t in (a, b))
+    if armed_a != armed_b:  # the usual reason for different HLO: say how to fix it
+        diffs.append(
+            f"armed injection sites: {armed_a} (A) != {armed_b} (B); record both with the "
+            "same --arm"
+        )
     if diffs and not allow_mismatch:
         raise FingerprintMismatch(diffs)
     levels: dict = {}

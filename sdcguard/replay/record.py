@@ -72,6 +72,14 @@ class RecordOptions:
             return self.armed
         return tuple(sorted({f.site for f in self.faults()}))
 
+    @classmethod
+    def from_json(cls, d: dict) -> RecordOptions:
+        """The options stored in a trace's manifest (lists back to tuples)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in fields}
+        )
+
     def load_task(self) -> ReplayTask:
         return load_task(self.task, steps=self.steps, seed=self.seed, checkpoint=self.checkpoint)
 
@@ -84,7 +92,7 @@ def programs_for(task: ReplayTask, options: RecordOptions) -> capture.Programs:
     # The programs depend on shapes, not on parameter values: a checkpoint shares them.
     key = (options.task, options.seed, options.sites, options.armed_sites())
     cached = _PROGRAMS.get(key)
-    if cached is None or cached.task.steps != task.steps:
+    if cached is None:
         cached = _PROGRAMS[key] = capture.Programs(
             task, select=options.sites, armed=options.armed_sites()
         )
@@ -190,7 +198,7 @@ def _record(task, options, out, reference, progress) -> dict:
 
 def _compiled(programs, name, fn, args, hlo):
     """Compiles ``fn`` for ``args`` once and notes its HLO hash (the program that runs)."""
-    cache = programs.__dict__.setdefault("_compiled", {})
+    cache = programs.compiled
     if name not in cache:
         compiled = fn.lower(*args).compile()
         cache[name] = (compiled, determinism.hlo_hash(compiled))
@@ -243,7 +251,7 @@ def _record_steps(programs, writer, params, opt_state, batches, plan, hlo, progr
 
 
 def _record_synced(programs, writer, params, opt_state, batches, plan, reference, progress):
-    run = programs.__dict__["_compiled"]["train_step"][0]
+    run = programs.compiled["train_step"][0]
     names = reference.manifest["params"]
     treedef = jax.tree.structure(params)
     opt_def = jax.tree.structure(opt_state)
