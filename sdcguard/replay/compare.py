@@ -69,10 +69,10 @@ def compare_nodes(options: CompareOptions, *, progress=None) -> diff.Comparison:
         progress=progress,
     )
     trace_a = nodes.run_node(node_a, opts_a, **common)
-    if node_a.kind == "trace":
+    if node_a.kind == "trace" and node_b.kind != "trace":
         # B replays what A recorded: same task, steps, levels, captured and armed sites.
         opts_b = dataclasses.replace(
-            RecordOptions.from_json(trace_a.manifest["options"]), inject=opts_b.inject
+            RecordOptions.from_json(trace_a.manifest.get("options", {})), inject=opts_b.inject
         )
     trace_b = nodes.run_node(node_b, opts_b, reference=trace_a, **common)
     return diff.compare(trace_a, trace_b, allow_mismatch=options.allow_mismatch)
