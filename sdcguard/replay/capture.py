@@ -1,7 +1,8 @@
 """The programs a replay runs, and the hooks that capture and lock-step submodules.
 
-Two jitted programs, the same on every node (fault plans are data, padded to a fixed number
-of slots, so a faulty node compiles exactly what a healthy one does):
+Two jitted programs, the same on every node: fault plans are data with a fixed number of
+slots, and compared nodes compile injection code at the same ("armed") sites, so a simulated
+faulty node runs exactly the program a healthy one does (same HLO, same fingerprint):
 
 * the **train step** ``(params, opt_state, batch, plan) -> (loss, grads, updates, new_params,
   new_opt_state)``: the step/trajectory levels.
@@ -53,7 +54,8 @@ def padded_plan(faults: Sequence[inject.Fault] = ()) -> inject.FaultPlan:
 
 
 # While a program is traced: the sites whose injection code is compiled in ("armed"), and the
-# sizes of the tensors at every site seen (filled in by a discovery trace).
+# sizes of the tensors at every site seen (filled in by a discovery trace). Set only for the
+# duration of one trace by _resolved_injection; tracing is single-threaded here.
 _ARMED: frozenset[str] = frozenset()
 _SITE_SIZES: dict[str, int] | None = None
 
