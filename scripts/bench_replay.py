@@ -10,7 +10,7 @@
    cold (a fresh process: start-up and compilation included) and warm (programs compiled).
 
 Usage:
-  python scripts/bench_replay.py [--repeats 20] [--json bench_replay.json]
+  python scripts/bench_replay.py [--repeats 20] [--json runs/bench_replay.json]
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def bench_compare() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--json", default="bench_replay.json")
+    parser.add_argument("--json", default="runs/bench_replay.json")
     args = parser.parse_args()
     device = jax.devices()[0]
     result = {
@@ -159,6 +159,7 @@ def main() -> None:
         f"tensors): cold process {c['cold_process_s']:.1f} s, warm {c['warm_s']:.2f} s, "
         f"identical={c['identical']}"
     )
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.json}")

@@ -356,7 +356,8 @@ def _step_rows(a: Trace, b: Trace) -> list[Row]:
 
 
 def _flat(t: Trace, prefix: str, names) -> np.ndarray:
-    return np.concatenate([t.get(f"{prefix}/{n}").astype(np.float64).reshape(-1) for n in names])
+    # Concatenated in the parameters' own dtype, so that ULPs are counted in that dtype.
+    return np.concatenate([t.get(f"{prefix}/{n}").reshape(-1) for n in names])
 
 
 def _trajectory(a: Trace, b: Trace) -> tuple[list[Row], dict]:
@@ -382,7 +383,7 @@ def _trajectory(a: Trace, b: Trace) -> tuple[list[Row], dict]:
         )
         curves["param_drift"].append(m["noise_to_signal"])
         rows.append(Row("trajectory", f"free/{t}/loss", "-", "-", tensor_metrics(la, lb)))
-        rows.append(Row("trajectory", f"free/{t + 1}/params", "-", "-", m))
+        rows.append(Row("trajectory", f"free/{t}/new_params", "-", "-", m))
     if "traj/sync/0/loss" in b:
         curves["synchronised"] = True
         for t in range(steps):

@@ -118,7 +118,7 @@ def render(comparison: Comparison, console: Console | None = None) -> None:
             "step",
             "loss A",
             "loss B (free)",
-            "param drift ‖ΔP‖/‖P‖",
+            "param drift after ‖ΔP‖/‖P‖",
             "loss B (synced)",
             "grad ‖Δg‖/‖g‖ (synced)",
         ):
