@@ -92,6 +92,18 @@ class TrainState(NamedTuple):
 # --- Leaves: what is stored for each, and its fingerprint --------------------------------------
 
 
+_WEIGHTS = np.ones((0,), np.uint32)  # 2j + 1, grown on demand and shared by all leaves
+
+
+def _weights(n: int) -> np.ndarray:
+    global _WEIGHTS
+    weights = _WEIGHTS
+    if weights.size < n:
+        weights = 2 * np.arange(max(n, 2 * weights.size), dtype=np.uint32) + np.uint32(1)
+        _WEIGHTS = weights  # a whole new array: a reader never sees it half-written
+    return weights[:n]
+
+
 def host_fingerprint(x: np.ndarray) -> np.ndarray:
     """The numpy twin of :func:`sdcguard.optim.tree_fingerprint` for one array: uint32 ``[2]``."""
     x = np.ascontiguousarray(x)
@@ -101,12 +113,8 @@ def host_fingerprint(x: np.ndarray) -> np.ndarray:
         words = x.reshape(-1).view(np.uint32)
     else:
         words = x.reshape(-1).view(np.dtype(f"uint{8 * x.dtype.itemsize}")).astype(np.uint32)
-    weights = 2 * np.arange(words.size, dtype=np.uint32) + np.uint32(1)
-    with np.errstate(over="ignore"):
-        return np.array(
-            [np.sum(words, dtype=np.uint32), np.sum(words * weights, dtype=np.uint32)],
-            np.uint32,
-        )
+    # Integer sums and dot products wrap modulo 2**32, exactly like the device version.
+    return np.array([np.sum(words, dtype=np.uint32), np.dot(words, _weights(words.size))])
 
 
 @jax.jit
@@ -138,7 +146,6 @@ def _is_key(x) -> bool:
 class _Leaf:
     """How to rebuild one leaf: ``kind`` is 'array', 'key' (typed PRNG key) or 'host'."""
 
-    path: str
     kind: str
     sharding: Any = None
     key_impl: Any = None
@@ -147,21 +154,32 @@ class _Leaf:
 
 def _split(state) -> tuple[list, list[_Leaf], Any]:
     """Flattens ``state`` into storable leaves (key data instead of typed keys) and recipes."""
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(state)
     leaves, recipes = [], []
-    for path, x in with_paths:
-        name = jax.tree_util.keystr(path)
+    flat, treedef = jax.tree.flatten(state)
+    for x in flat:
         if _is_key(x):
             leaves.append(jax.random.key_data(x))
-            recipes.append(_Leaf(name, "key", x.sharding, jax.random.key_impl(x)))
+            recipes.append(_Leaf("key", x.sharding, jax.random.key_impl(x)))
         elif isinstance(x, jax.Array):
             leaves.append(x)
-            recipes.append(_Leaf(name, "array", x.sharding))
+            recipes.append(_Leaf("array", x.sharding))
         else:
             scalar = type(x) if isinstance(x, int | float | bool | complex) else None
             leaves.append(np.asarray(x))
-            recipes.append(_Leaf(name, "host", python_type=scalar))
+            recipes.append(_Leaf("host", python_type=scalar))
     return leaves, recipes, treedef
+
+
+def _paths(treedef) -> list[str]:
+    """The key path of every leaf of ``treedef``, as ``jax.tree_util.keystr`` writes it.
+
+    Computed only when needed (errors, checkpoint records): formatting paths costs more than
+    flattening, and a snapshot is taken every few steps.
+    """
+    placeholder = treedef.unflatten(range(treedef.num_leaves))
+    return [
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(placeholder)[0]
+    ]
 
 
 def _rebuild(recipe: _Leaf, data):
@@ -199,14 +217,14 @@ class Snapshot:
     @property
     def paths(self) -> list[str]:
         """The key path of every leaf (as ``jax.tree_util.keystr`` writes it)."""
-        return [r.path for r in self._recipes]
+        return _paths(self._treedef)
 
     def verify(self) -> None:
         """Raises :class:`SnapshotCorrupted` naming the first leaf whose bits changed."""
-        for i, (x, recipe) in enumerate(zip(self.leaves, self._recipes, strict=True)):
+        for i, x in enumerate(self.leaves):
             if not np.array_equal(host_fingerprint(x), self.fingerprints[i]):
                 raise SnapshotCorrupted(
-                    f"in-memory snapshot of step {self.step}: leaf {recipe.path} no longer "
+                    f"in-memory snapshot of step {self.step}: leaf {self.paths[i]} no longer "
                     "matches the fingerprint taken when it was copied (host memory corruption or "
                     "a write into the snapshot). Restore an older snapshot "
                     f"(SnapshotRing.restore(at_most={self.step - 1})) or an Orbax checkpoint."
@@ -397,7 +415,7 @@ class CheckpointTier:
 
     def save(self, step: int, state, *, meta: dict | None = None) -> None:
         """Starts saving ``state`` as checkpoint ``step`` (returns before the write finishes)."""
-        leaves, recipes, _ = _split(state)
+        leaves, recipes, treedef = _split(state)
         fingerprints = _device_fingerprints(leaves)
         integrity = {
             "format": CHECKPOINT_FORMAT,
@@ -406,13 +424,15 @@ class CheckpointTier:
             "meta": dict(meta or {}),
             "leaves": [
                 {
-                    "path": r.path,
+                    "path": path,
                     "kind": r.kind,
                     "dtype": str(np.dtype(x.dtype)),
                     "shape": list(x.shape),
                     "fingerprint": [int(v) for v in fp],
                 }
-                for r, x, fp in zip(recipes, leaves, fingerprints, strict=True)
+                for path, r, x, fp in zip(
+                    _paths(treedef), recipes, leaves, fingerprints, strict=True
+                )
             ],
         }
         items = {_leaf_key(i): x for i, x in enumerate(leaves)}
