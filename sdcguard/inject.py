@@ -253,6 +253,7 @@ def parse_spec(spec: str, *, valid_sites: Sequence[str] | None = None) -> Fault:
     for required in ("site", "kind"):
         if required not in fields:
             raise ValueError(f"fault spec {spec!r} is missing the field {required!r}")
+    split_site(fields["site"])
     if valid_sites is not None and fields["site"] not in valid_sites:
         listing = "\n  ".join(valid_sites)
         raise ValueError(

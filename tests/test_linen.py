@@ -195,7 +195,7 @@ def test_same_fault_unprotected_breaks_training(site, kind):
     """The harm prevented: without checks the same fault makes the loss or parameters NaN."""
     state, step, batch, _, _ = stepper("float32", False)
     plan = FaultPlan.from_faults(
-        [Fault(site=f"decoder/block_0/attn:{site}", kind=kind, index=37)], capacity=1
+        [Fault(site=f"decoder/block_0/attn:{site}", kind=kind, index=82)], capacity=1
     )
     new_state, _ = step(state, batch, plan)
     _, out2 = step(new_state, batch, FaultPlan.from_faults([], capacity=1))

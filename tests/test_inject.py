@@ -1,0 +1,118 @@
+"""Fault plans: what each kind does, spec parsing, and one compilation for many faults."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sdcguard.inject import Fault, FaultPlan, apply, corrupt, faults, parse_spec
+from sdcguard.sites import FaultKind
+
+SITE = "m/attn:scores"
+
+
+@pytest.mark.parametrize(
+    "kind, dtype, bit, value, old, expected",
+    [
+        ("inf", jnp.float32, 0, 0.0, 1.5, np.inf),
+        ("-inf", jnp.bfloat16, 0, 0.0, 1.5, -np.inf),
+        ("near_inf", jnp.float32, 0, 0.0, 1.5, 1e10),
+        ("near_inf", jnp.float16, 0, 0.0, 1.5, 65504.0),  # 1e10 does not fit in float16
+        ("bitflip", jnp.float32, 30, 0.0, 1.0, np.inf),  # 0x3F800000 -> 0x7F800000
+        ("bitflip", jnp.float32, 23, 0.0, 1.0, 0.5),  # lowest exponent bit
+        ("bitflip", jnp.bfloat16, 14, 0.0, 1.0, np.inf),
+        ("value", jnp.float32, 0, 7.25, 1.0, 7.25),
+        ("scale", jnp.float32, 0, -4.0, 1.5, -6.0),
+    ],
+)
+def test_corrupt(kind, dtype, bit, value, old, expected):
+    out = corrupt(
+        jnp.asarray(old, dtype),
+        jnp.int32(FaultKind.parse(kind)),
+        jnp.int32(bit),
+        jnp.float32(value),
+    )
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(np.float32(out), np.float32(expected))
+
+
+def test_nan_kind():
+    out = corrupt(jnp.float32(2.0), jnp.int32(FaultKind.NAN), jnp.int32(0), jnp.float32(0))
+    assert np.isnan(out)
+
+
+def test_only_addressed_site_and_step_fire():
+    x = jnp.zeros((4, 5))
+    plan = FaultPlan.from_faults([Fault(site=SITE, kind="value", value=1.0, index=7, step=3)])
+    assert not apply(x, plan.at_step(2), SITE).any()
+    assert not apply(x, plan.at_step(3), "m/attn:context").any()
+    hit = np.asarray(apply(x, plan.at_step(3), SITE))
+    assert hit.reshape(-1)[7] == 1.0 and hit.sum() == 1.0
+
+
+def test_random_index_is_deterministic_and_spread():
+    x = jnp.zeros((64, 64))
+    hits = []
+    for seed in range(32):
+        plan = FaultPlan.from_faults([Fault(site=SITE, kind="value", value=1.0, seed=seed)])
+        a, b = apply(x, plan, SITE), apply(x, plan, SITE)
+        np.testing.assert_array_equal(a, b)
+        hits.append(int(np.argmax(np.asarray(a).reshape(-1))))
+    assert len(set(hits)) >= 30
+
+
+def test_thousand_faults_compile_once():
+    """Faults are data: 1,000 different plans (site, kind, index, step) run one compilation."""
+
+    @jax.jit
+    def step(x, plan):
+        with faults(plan):
+            return apply(x, plan, SITE)
+
+    x = jnp.ones((16, 16))
+    rng = np.random.default_rng(0)
+    kinds = ["inf", "-inf", "nan", "near_inf", "bitflip", "value", "scale"]
+    changed = 0
+    for i in range(1000):
+        fault = Fault(
+            site=SITE if i % 2 else "m/attn:probs",
+            kind=kinds[i % len(kinds)],
+            index=int(rng.integers(256)),
+            bit=30,
+            value=3.0,
+            step=int(rng.integers(-1, 3)),
+        )
+        plan = FaultPlan.from_faults([fault], capacity=2).at_step(1)
+        out = step(x, plan)
+        changed += int(np.sum(np.asarray(out) != np.asarray(x)) > 0)
+    assert step._cache_size() == 1
+    assert 0 < changed < 1000  # the half at the other site and the steps not now stay clean
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("site=a:scores", "missing the field 'kind'"),
+        ("kind=nan", "missing the field 'site'"),
+        ("site=a:scores,kind=nan,colour=red", "unknown field 'colour'"),
+        ("site=a:scores,kind=nan,index=x", "field 'index' of fault spec must be int"),
+        ("site=a:scores,kind=boom", "unknown fault kind 'boom'"),
+        ("site=a:scores,kind=bitflip,bit=80", "bit < 64"),
+        ("site=a:scores,nan", "not 'field=value'"),
+        ("site=nocolon,kind=nan", "malformed site name"),
+        ("site=a:nope,kind=nan", "valid sites:\n  a:scores"),
+    ],
+)
+def test_bad_spec_names_the_problem(spec, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        parse_spec(spec, valid_sites=["a:scores"])
+
+
+def test_spec_round_trip():
+    fault = parse_spec("site=d/b1/attn:scores,kind=bitflip,bit=27,index=17,step=0")
+    assert fault == Fault(site="d/b1/attn:scores", kind="bitflip", bit=27, index=17, step=0)
+
+
+def test_capacity_too_small():
+    with pytest.raises(ValueError, match="do not fit"):
+        FaultPlan.from_faults([Fault(site=SITE, kind="nan")] * 3, capacity=2)
