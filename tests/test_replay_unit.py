@@ -93,6 +93,14 @@ def test_trace_replaced_atomically(tmp_path):
     assert os.listdir(tmp_path) == ["t"]
 
 
+def test_never_writes_over_other_data(tmp_path):
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "notes.txt").write_text("keep me")
+    with pytest.raises(TraceError, match="refusing to write a trace over"):
+        TraceWriter(str(tmp_path / "precious"))
+    assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"
+
+
 def test_unfinished_trace_is_not_a_trace(tmp_path):
     w = TraceWriter(str(tmp_path / "t"))
     w.add("x", np.zeros(3))

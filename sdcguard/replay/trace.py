@@ -81,12 +81,23 @@ def _storable(x) -> np.ndarray:
     return a
 
 
+def _replaceable(path: str) -> bool:
+    """Whether ``path`` may be replaced by a new trace: an empty directory or a trace."""
+    if not os.path.isdir(path):
+        return False
+    names = set(os.listdir(path))
+    return not names or (
+        MANIFEST in names and all(n == MANIFEST or _CHUNK_NAME.match(n) for n in names)
+    )
+
+
 class TraceWriter:
     """Streams arrays into a new trace directory, published atomically by :meth:`finish`.
 
     Args:
-      out: the trace directory to create. An existing trace there is replaced only at the
-        very end, after the new one is complete.
+      out: the trace directory to create. An existing trace (or empty directory) there is
+        replaced only at the very end, after the new one is complete; anything else there is
+        refused.
 
     Example:
       >>> w = TraceWriter("/tmp/trace")
@@ -96,6 +107,11 @@ class TraceWriter:
 
     def __init__(self, out: str):
         self.out = os.path.abspath(out)
+        if os.path.exists(self.out) and not _replaceable(self.out):
+            raise TraceError(
+                f"refusing to write a trace over {out!r}: it exists and is not a trace "
+                "(choose a new directory)"
+            )
         parent = os.path.dirname(self.out)
         os.makedirs(parent, exist_ok=True)
         self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.out)}.tmp-", dir=parent)
