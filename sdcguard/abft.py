@@ -8,14 +8,14 @@ element in a flagged line, locates the error. An isolated element is corrected f
 checksum (the checksum minus the sum of the rest of its column or row); a single bad row or
 column is recomputed from ``A`` and ``B``; anything beyond that is counted *uncorrectable*.
 
-The clean path is the GEMM, the two checksum products, two bound products (``|A|·|B|``) and one
-fused read of ``C``; locating and correcting runs under ``lax.cond`` only when something is
+The clean path is the GEMM, the two checksum products, row norms of ``A`` and column norms of
+``B`` (for the bound) and one fused read of ``C``; locating and correcting runs under ``lax.cond`` only when something is
 flagged, so a clean step has no extra pass and no host sync.
 
 Tolerance model (first-order worst-case round-off; Higham, *Accuracy and Stability*, §3.1):
 every quantity compared is a sum of products ``a·b``, so for a column
 
-    |eᵀC_computed − (eᵀA)B| ≤ γ · ((eᵀ|A|)|B|),
+    |eᵀC_computed − (eᵀA)B| ≤ γ · ((eᵀ|A|)|B|) ≤ γ · Σ_m ‖a_m‖₂ ‖b_n‖₂,
     γ = 2·u_in + u_out + (2·(K + L) + 2)·u_acc
 
 plus ``L`` times the output dtype's smallest subnormal for gradual underflow
@@ -301,16 +301,23 @@ def check_contraction(
     n = int(np.prod([dims[x] for x in ct.rhs_free], dtype=np.int64))
     u_in = input_rounding(a.dtype, precision)
 
-    def checksums(term):
+    def checksum(term):
         ref = jnp.einsum(f"{ct.lhs},{ct.rhs}->{term}", a32, b32, precision="highest")
-        bound = jnp.einsum(
-            f"{ct.lhs},{ct.rhs}->{term}", jnp.abs(a32), jnp.abs(b32), precision="highest"
-        )
         summed = jnp.sum(c32, axis=_axes(ct.out, "".join(x for x in ct.out if x not in term)))
-        return ref, bound, summed
+        return ref, summed
 
-    col_ref, col_bound, col_sum = checksums(col_term)
-    row_ref, row_bound, row_sum = checksums(row_term)
+    col_ref, col_sum = checksum(col_term)
+    row_ref, row_sum = checksum(row_term)
+    # Magnitude of each checksum: Σ_k |a_k||b_k| ≤ ‖a‖₂‖b‖₂ (Cauchy-Schwarz), so a line's
+    # bound is a product of row norms of A and column norms of B. They come from reductions
+    # that fuse with the ones above: no |A|·|B| product and no copy of |A| or |B|.
+    lhs_rows = "".join(x for x in ct.lhs if x not in ct.contracted)
+    rhs_cols = "".join(x for x in ct.rhs if x not in ct.contracted)
+    a_norm = jnp.sqrt(jnp.sum(a32 * a32, axis=_axes(ct.lhs, ct.contracted)))
+    b_norm = jnp.sqrt(jnp.sum(b32 * b32, axis=_axes(ct.rhs, ct.contracted)))
+    batch = ct.batch
+    col_bound = jnp.einsum(f"{lhs_rows},{rhs_cols}->{col_term}", a_norm, b_norm)
+    row_bound = jnp.einsum(f"{lhs_rows},{rhs_cols}->{row_term}", a_norm, b_norm)
     gamma_col = roundoff_gamma(
         out_dtype=c.dtype, contraction=k, line=m, input_unit=u_in, safety=config.safety
     )
@@ -356,7 +363,6 @@ def check_contraction(
         clean_part = jnp.where(located, 0.0, c32)
         from_col = on_c(col_ref - jnp.sum(clean_part, axis=lhs_axes), col_term)
         from_row = on_c(row_ref - jnp.sum(clean_part, axis=rhs_axes), row_term)
-        batch = ct.batch
         fixed = jnp.where(located & on_c(by_col, batch), from_col, c32)
         fixed = jnp.where(located & on_c(by_row, batch), from_row, fixed)
         # A single bad row (or column) that the checksums cannot repair is recomputed.
