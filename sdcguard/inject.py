@@ -225,7 +225,22 @@ def apply(x: jax.Array, plan: FaultPlan | None, site: str) -> jax.Array:
     # Faults that do not fire are sent out of bounds and dropped, so they cannot race a firing
     # fault at the same index.
     index = jnp.where(fault_hits(plan, sid), index, flat.size)
-    return flat.at[index].set(new, mode="drop").reshape(x.shape)
+    return _straight_through(x, flat.at[index].set(new, mode="drop").reshape(x.shape))
+
+
+@jax.custom_jvp
+def _straight_through(clean: jax.Array, corrupted: jax.Array) -> jax.Array:
+    """``corrupted`` forward, the gradient of ``clean`` backward.
+
+    A faulty chip corrupts a value, not the chain rule: the backward pass still flows through
+    the element as if it were computed correctly.
+    """
+    return corrupted
+
+
+@_straight_through.defjvp
+def _straight_through_jvp(primals, tangents):
+    return primals[1], tangents[0]
 
 
 # --- The command-line form of a fault: "site=...,kind=...,index=...,step=...". ---
