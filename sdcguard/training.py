@@ -93,7 +93,8 @@ def make_train_step(
       >>> state, out = step(state, ByteBatches().batch(0), FaultPlan.none())
     """
     model = GPT(config.model)
-    optimizer = optimizer or optax.adam(config.learning_rate)
+    # Extra args (loss, ABFT counts) reach an update guard and are ignored by plain optimizers.
+    optimizer = optax.with_extra_args_support(optimizer or optax.adam(config.learning_rate))
     params = init_params(model, config.seed)
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
     protected = config.abft is not None
@@ -114,14 +115,16 @@ def make_train_step(
         plan = plan.at_step(state.step)
         grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
         (loss, sdc), (grads, sink_grads) = grad_fn(state.params, sinks, batch, plan)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
         counts = (
             linen.total_counts(sdc, sink_grads)
             if protected
             else jnp.zeros((NUM_COUNTERS,), jnp.int32)
         )
-        out = StepOutput(loss, optax.global_norm(grads), counts, sdc, sink_grads)
+        updates, opt_state = optimizer.update(
+            grads, state.opt_state, state.params, loss=loss, abft_uncorrectable=counts[2]
+        )
+        params = optax.apply_updates(state.params, updates)
+        out = StepOutput(loss, optax.tree.norm(grads), counts, sdc, sink_grads)
         return TrainState(state.step + 1, params, opt_state), out
 
     return state, step
