@@ -1,13 +1,48 @@
 """sdcguard: keep JAX/Flax training correct when hardware silently corrupts numbers.
 
-Public API (submodules: ``abft``, ``attention``, ``inject``, ``linen``, ``nnx``, ``optim``,
-``recovery``, ``replay``, ``pallas``, ``models``, ``sites``, ``training``).
+Submodules: ``abft`` (checksum math), ``attention`` (protected attention), ``linen`` / ``nnx``
+(Flax drop-ins), ``inject`` (fault plans), ``optim`` (update guard), ``recovery`` (snapshots,
+Orbax tier), ``replay`` (deterministic record/compare), ``pallas`` (GPU kernels; imported on
+demand), ``models`` (reference workloads), ``sites``, ``training``.
 """
 
-from sdcguard import abft, inject, linen, models, nnx, sites
+from sdcguard import abft, inject, linen, models, nnx, optim, recovery, replay, sites, training
 from sdcguard.abft import ABFTConfig, Counts, checked_dot_general, checked_einsum
 from sdcguard.attention import dot_product_attention, protected_attention
 from sdcguard.inject import Fault, FaultPlan, faults
+from sdcguard.optim import (
+    GuardConfig,
+    GuardState,
+    Reason,
+    describe,
+    find_guard_state,
+    reason_names,
+    refuse_corrupted,
+    tree_fingerprint,
+)
+from sdcguard.recovery import (
+    CheckpointCorrupted,
+    CheckpointTier,
+    RecoveryConfig,
+    RecoveryError,
+    RunReport,
+    SnapshotCorrupted,
+    SnapshotRing,
+    TrainState,
+    train_with_recovery,
+)
+from sdcguard.replay import (
+    CompareOptions,
+    Comparison,
+    RecordOptions,
+    ReplayTask,
+    compare_nodes,
+    load_task,
+    open_trace,
+    record,
+    reference_task,
+    tensor_metrics,
+)
 from sdcguard.sites import ATTENTION_SITES, FaultKind, site_id, site_name
 
 __version__ = "0.1.0"
@@ -15,21 +50,52 @@ __version__ = "0.1.0"
 __all__ = [
     "ATTENTION_SITES",
     "ABFTConfig",
+    "CheckpointCorrupted",
+    "CheckpointTier",
+    "CompareOptions",
+    "Comparison",
     "Counts",
     "Fault",
     "FaultKind",
     "FaultPlan",
+    "GuardConfig",
+    "GuardState",
+    "Reason",
+    "RecordOptions",
+    "RecoveryConfig",
+    "RecoveryError",
+    "ReplayTask",
+    "RunReport",
+    "SnapshotCorrupted",
+    "SnapshotRing",
+    "TrainState",
     "abft",
     "checked_dot_general",
     "checked_einsum",
+    "compare_nodes",
+    "describe",
     "dot_product_attention",
     "faults",
+    "find_guard_state",
     "inject",
     "linen",
+    "load_task",
     "models",
     "nnx",
+    "open_trace",
+    "optim",
     "protected_attention",
+    "reason_names",
+    "record",
+    "recovery",
+    "reference_task",
+    "refuse_corrupted",
+    "replay",
     "site_id",
     "site_name",
     "sites",
+    "tensor_metrics",
+    "train_with_recovery",
+    "training",
+    "tree_fingerprint",
 ]
