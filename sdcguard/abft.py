@@ -8,9 +8,10 @@ element in a flagged line, locates the error. An isolated element is corrected f
 checksum (the checksum minus the sum of the rest of its column or row); a single bad row or
 column is recomputed from ``A`` and ``B``; anything beyond that is counted *uncorrectable*.
 
-The clean path is the GEMM, the two checksum products, row norms of ``A`` and column norms of
-``B`` (for the bound) and one fused read of ``C``; locating and correcting run under
-``lax.cond`` only when something is flagged, so a clean step has no host sync.
+The clean path is the GEMM, the row checksum product ``A(Be)``, row norms of ``A`` and column
+norms of ``B`` (for the bound) and one read of ``C`` (its row sums): any error in C changes its
+row's sum. Column checksums, location and correction run under ``lax.cond`` only when a row is
+flagged, so a clean step has no host sync and no second read of C.
 
 Tolerance model (first-order worst-case round-off; Higham, *Accuracy and Stability*, §3.1):
 every quantity compared is a sum of products ``a·b``, so for a column
@@ -267,76 +268,58 @@ def _axes(term: str, letters: str) -> tuple[int, ...]:
 # --- Check and correct one contraction ---------------------------------------------------------
 
 
-class Verification(NamedTuple):
-    """Checksums of one contraction and their thresholds (float32).
+class LineChecksums(NamedTuple):
+    """One side's checksums of a contraction, float32, one entry per row (or column).
 
-    ``col_*`` have the letters of the output without the lhs-free ones (one per column),
-    ``row_*`` without the rhs-free ones (one per row). A line is flagged when
-    ``not |deviation| <= threshold`` (so NaN deviations are flagged).
+    Rows have the letters of the output without the rhs-free ones, columns without the
+    lhs-free ones. A line is flagged when ``not deviation <= threshold`` (NaN is flagged).
     """
 
-    col_ref: jax.Array
-    row_ref: jax.Array
-    col_deviation: jax.Array
-    row_deviation: jax.Array
-    col_threshold: jax.Array
-    row_threshold: jax.Array
+    ref: jax.Array  # encoded from the inputs: A(Be) for rows, (eᵀA)B for columns
+    deviation: jax.Array  # |sum of the line of C - ref|
+    threshold: jax.Array  # the round-off bound of the deviation
 
 
-def verify(
+def line_checksums(
     c: jax.Array,
     a: jax.Array,
     b: jax.Array,
     contraction: Contraction,
+    side: str,
     *,
-    safety=1.0,
+    safety: float = 1.0,
     precision=None,
-) -> Verification:
-    """Encodes the checksums of ``einsum(contraction, a, b)`` and compares them with ``c``."""
+) -> LineChecksums:
+    """Encodes the ``side`` (``'row'`` or ``'col'``) checksums of ``c = einsum(a, b)``."""
     ct = contraction
     f32 = jnp.float32
     a32, b32, c32 = a.astype(f32), b.astype(f32), c.astype(f32)
-    col_term = ct.without(ct.lhs_free)  # batch + rhs_free: one checksum per column
-    row_term = ct.without(ct.rhs_free)  # batch + lhs_free: one checksum per row
+    summed_letters = ct.rhs_free if side == "row" else ct.lhs_free
+    term = ct.without(summed_letters)
     dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
     k = int(np.prod([dims[x] for x in ct.contracted], dtype=np.int64))
-    m = int(np.prod([dims[x] for x in ct.lhs_free], dtype=np.int64))
-    n = int(np.prod([dims[x] for x in ct.rhs_free], dtype=np.int64))
-    u_in = input_rounding(a.dtype, precision)
-
-    def checksum(term):
-        ref = jnp.einsum(f"{ct.lhs},{ct.rhs}->{term}", a32, b32, precision="highest")
-        summed = jnp.sum(c32, axis=_axes(ct.out, "".join(x for x in ct.out if x not in term)))
-        return ref, summed
-
-    col_ref, col_sum = checksum(col_term)
-    row_ref, row_sum = checksum(row_term)
+    line = int(np.prod([dims[x] for x in summed_letters], dtype=np.int64))
+    ref = jnp.einsum(f"{ct.lhs},{ct.rhs}->{term}", a32, b32, precision="highest")
+    summed = jnp.sum(c32, axis=_axes(ct.out, summed_letters))
     # Magnitude of each checksum: Σ_k |a_k||b_k| ≤ ‖a‖₂‖b‖₂ (Cauchy-Schwarz), so a line's
-    # bound is a product of row norms of A and column norms of B. They come from reductions
-    # that fuse with the ones above: no |A|·|B| product and no copy of |A| or |B|.
+    # bound is a product of row norms of A and column norms of B: cheap reductions, no
+    # |A|·|B| product and no copy of |A| or |B|.
     lhs_rows = "".join(x for x in ct.lhs if x not in ct.contracted)
     rhs_cols = "".join(x for x in ct.rhs if x not in ct.contracted)
     a_norm = jnp.sqrt(jnp.sum(a32 * a32, axis=_axes(ct.lhs, ct.contracted)))
     b_norm = jnp.sqrt(jnp.sum(b32 * b32, axis=_axes(ct.rhs, ct.contracted)))
-    col_bound = jnp.einsum(f"{lhs_rows},{rhs_cols}->{col_term}", a_norm, b_norm)
-    row_bound = jnp.einsum(f"{lhs_rows},{rhs_cols}->{row_term}", a_norm, b_norm)
-
-    def gamma(line):
-        return roundoff_gamma(
-            out_dtype=c.dtype, contraction=k, line=line, input_unit=u_in, safety=safety
-        )
-
+    bound = jnp.einsum(f"{lhs_rows},{rhs_cols}->{term}", a_norm, b_norm)
+    gamma = roundoff_gamma(
+        out_dtype=c.dtype,
+        contraction=k,
+        line=line,
+        input_unit=input_rounding(a.dtype, precision),
+        safety=safety,
+    )
     # Gradual underflow: an element rounded into the subnormal range errs by up to half the
     # subnormal spacing, whatever its magnitude; a line of L elements by L times that.
     tiny = float(jnp.finfo(c.dtype).smallest_subnormal)
-    return Verification(
-        col_ref=col_ref,
-        row_ref=row_ref,
-        col_deviation=jnp.abs(col_sum - col_ref),
-        row_deviation=jnp.abs(row_sum - row_ref),
-        col_threshold=gamma(m) * col_bound + m * tiny,
-        row_threshold=gamma(n) * row_bound + n * tiny,
-    )
+    return LineChecksums(ref, jnp.abs(summed - ref), gamma * bound + line * tiny)
 
 
 def check_contraction(
@@ -362,11 +345,12 @@ def check_contraction(
       int32 ``[detected, corrected, uncorrectable]`` counted over the batch of matrices.
     """
     ct = contraction
-    v = verify(c, a, b, ct, safety=config.safety, precision=precision)
-    col_ref, row_ref = v.col_ref, v.row_ref
-    bad_col = ~(v.col_deviation <= v.col_threshold)
-    bad_row = ~(v.row_deviation <= v.row_threshold)
-    flagged_any = jnp.any(bad_col) | jnp.any(bad_row)
+    # Detection needs one side: an error in C changes the sum of its row. The column checksums
+    # that locate it are encoded only when a row is flagged, so the clean path reads C once.
+    rows = line_checksums(c, a, b, ct, "row", safety=config.safety, precision=precision)
+    row_ref = rows.ref
+    bad_row = ~(rows.deviation <= rows.threshold)
+    flagged_any = jnp.any(bad_row)
     f32 = jnp.float32
     a32, b32, c32 = a.astype(f32), b.astype(f32), c.astype(f32)
     col_term = ct.without(ct.lhs_free)
@@ -389,6 +373,9 @@ def check_contraction(
     col_free, row_free = axes(col_term, ct.rhs_free), axes(row_term, ct.lhs_free)
 
     def locate_and_correct(_):
+        cols = line_checksums(c, a, b, ct, "col", safety=config.safety, precision=precision)
+        col_ref = cols.ref
+        bad_col = ~(cols.deviation <= cols.threshold)
         br, bc = on_c(bad_row, row_term), on_c(bad_col, col_term)
         extreme = (~jnp.isfinite(c32) | (jnp.abs(c32) >= config.near_inf)) & (br | bc)
         located = extreme | (br & bc)
