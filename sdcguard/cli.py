@@ -14,6 +14,7 @@ import sys
 COMMANDS = (
     "sdcguard.demo",
     "sdcguard.replay.command",
+    "sdcguard.campaign",
 )
 
 

@@ -1,0 +1,169 @@
+"""Fault campaigns: a tiny campaign end to end, classification, ABFT rates, resumption."""
+
+import dataclasses
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+from sdcguard import campaign
+from sdcguard.campaign import CampaignConfig, CampaignFileError, load_results, run_campaign
+from sdcguard.cli import build_parser
+from sdcguard.models import GPTConfig
+
+SCORES = "decoder/block_0/attn:scores"
+BACKWARD = "decoder/block_0/attn:context.grad_lhs"
+
+
+def tiny(out, **overrides) -> CampaignConfig:
+    base = dict(
+        model=GPTConfig(num_layers=1, d_model=32, num_heads=4, seq_len=16),
+        batch_size=2,
+        sites=(SCORES, BACKWARD),
+        kinds=("nan", "inf", "scale"),
+        value=1.0,  # scale by 1.0: a fault that changes nothing, the known-harmless control
+        trials=2,
+        warmup=1,
+        steps_after=2,
+        fp_steps=3,
+        fp_dtypes=("fp32",),
+        propagation_trials=1,
+        out=out,
+    )
+    return CampaignConfig(**{**base, **overrides})
+
+
+def quiet() -> Console:
+    return Console(file=io.StringIO(), width=200)
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    config = tiny(tmp_path_factory.mktemp("full"))
+    result = run_campaign(config, quiet())
+    records = [json.loads(line) for line in (config.out / "trials.jsonl").read_text().splitlines()]
+    return config, result, records
+
+
+def test_tiny_campaign_writes_every_trial_and_report(full):
+    config, result, records = full
+    n = len(config.protections) * 2 * 3 * config.trials  # protections x sites x kinds x trials
+    assert len(records) == n == result["trials_done"] == result["trials_total"]
+    assert len({r["key"] for r in records}) == n
+    for field in (
+        "site_counts",
+        "total_counts",
+        "detected",
+        "corrected",
+        "uncorrectable",
+        "loss_fault",
+        "clean_loss_fault",
+        "loss_after",
+        "clean_loss_after",
+        "nonfinite_loss",
+        "nonfinite_params",
+        "class",
+    ):
+        assert all(field in r for r in records), field
+    saved = json.loads((config.out / "campaign.json").read_text())
+    assert set(saved["summary"]) == {"off", "abft"}
+    assert saved["summary"]["off"]["trials"] == n // 2
+    assert saved["false_positives"][0]["alarms"] == 0
+    assert saved["false_positives"][0]["checked_gemms"] == 3 * 18  # 3 steps x 1 layer x 18
+    # inf/nan in scores: one bad probs row; scale by 1.0: no change
+    assert saved["propagation"][SCORES]["probs"] == {"1D": 2, "none": 1}
+    assert (config.out / "summary.md").read_text().startswith("# sdcguard fault-injection")
+    assert (config.out / "harm.png").stat().st_size > 0
+    assert (config.out / "correction_abft.png").stat().st_size > 0
+
+
+def test_known_harmful_and_harmless_faults_are_classified(full):
+    _, _, records = full
+    off = [r for r in records if r["protection"] == "off"]
+    nan_scores = [r for r in off if r["site"] == SCORES and r["kind"] == "nan"]
+    assert nan_scores and all(r["class"] == "non_trainable" for r in nan_scores)
+    assert all(r["nonfinite_params"] for r in nan_scores)
+    identity = [r for r in off if r["kind"] == "scale"]
+    assert identity and all(r["class"] == "harmless" for r in identity)
+    assert all(r["loss_after"] == r["clean_loss_after"] for r in identity)
+
+
+def test_abft_detects_and_corrects_every_inf_and_nan(full):
+    _, result, records = full
+    hits = [r for r in records if r["protection"] == "abft" and r["kind"] in ("inf", "nan")]
+    assert len(hits) == 2 * 2 * 2
+    assert all(r["detected"] and r["corrected"] and not r["uncorrectable"] for r in hits)
+    assert all(r["class"] == "harmless" for r in hits)
+    per_kind = result["summary"]["abft"]["per_kind"]
+    assert per_kind["inf"]["detected"] == per_kind["nan"]["corrected"] == 1.0
+
+
+def test_resume_neither_repeats_nor_loses_trials(full, tmp_path):
+    config, _, records = full
+    config = dataclasses.replace(config, out=tmp_path, fp_steps=0, propagation_trials=0)
+    run_campaign(config, quiet(), max_trials=5)  # "interrupted" after 5 trials
+    path = tmp_path / "trials.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    assert len(lines) == 5
+    # Interrupted again mid-write: the 5th line is half there.
+    path.write_text("".join(lines[:4]) + lines[4][: len(lines[4]) // 2])
+    console = quiet()
+    run_campaign(config, console)
+    assert "partial write" in console.file.getvalue()
+    resumed = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["key"] for r in resumed[:4]] == [json.loads(x)["key"] for x in lines[:4]]
+    assert sorted(r["key"] for r in resumed) == sorted(r["key"] for r in records)
+    # Trials are deterministic: the resumed campaign found what the uninterrupted one found.
+    by_key = {r["key"]: r for r in records}
+    assert all(r["class"] == by_key[r["key"]]["class"] for r in resumed)
+    assert all(r["loss_after"] == by_key[r["key"]]["loss_after"] for r in resumed)
+    # A complete file is left alone: running again adds nothing.
+    run_campaign(config, quiet())
+    assert len(path.read_text().splitlines()) == len(records)
+
+
+def test_corrupt_lines(tmp_path):
+    path = tmp_path / "trials.jsonl"
+    good = json.dumps({k: 0 for k in campaign._REQUIRED} | {"key": "a"}) + "\n"
+    path.write_text(good + '{"key": "b", "tri')
+    console = quiet()
+    assert list(load_results(path, console)) == ["a"]
+    assert "line 2 is a partial write" in console.file.getvalue()
+    assert path.read_text() == good  # truncated to the last complete line
+    path.write_text(good + "not json\n" + good)
+    with pytest.raises(CampaignFileError, match="line 2 is corrupt"):
+        load_results(path)
+    # A last line that parses but lacks its newline was also cut short (or tampered with).
+    path.write_text(good + good.strip())
+    assert list(load_results(path, quiet())) == ["a"] and path.read_text() == good
+
+
+def test_cli_parses_into_config(tmp_path):
+    args = build_parser().parse_args(
+        [
+            "campaign",
+            "--out",
+            str(tmp_path),
+            "--kinds",
+            "nan",
+            "bitflip",
+            "--bits",
+            "20",
+            "30",
+            "--protection",
+            "abft",
+            "abft+guard",
+            "--dtype",
+            "bf16",
+            "--trials",
+            "3",
+        ]
+    )
+    config = campaign.config_from_args(args)
+    assert config.kinds == ("nan", "bitflip") and config.bit_range == (20, 30)
+    assert config.protections == ("abft", "abft+guard") and config.dtype == "bf16"
+    assert config.model_config().dtype == "bfloat16" and config.trials == 3
+    assert len(config.site_list()) == 2 * 19  # default: every attention site of both layers
+    with pytest.raises(ValueError, match="unknown fault kinds"):
+        CampaignConfig(kinds=("melt",))
