@@ -197,16 +197,18 @@ def make_step(
     model_config: GPTConfig,
     protection: str,
     *,
-    batch_size: int,
     learning_rate: float,
     seed: int,
 ) -> tuple[TrainState, Callable]:
-    """Initial state and jitted ``step(state, batch, plan) -> (state, loss, counts, sdc, sg)``.
+    """Initial state and the jitted step of one campaign configuration.
+
+    ``step(state, batch, plan) -> (state, (loss, counts, params_finite, sdc, sink_grads))``:
+    ``counts`` are the int32 ``[3]`` totals (detected, corrected, uncorrectable) of the step,
+    ``params_finite`` whether every updated parameter is finite.
 
     Like :func:`sdcguard.training.make_train_step`, but with ``abft+guard`` the update guard is
     given the loss and ABFT's uncorrectable count, which the generic step does not pass.
     """
-    del batch_size  # shapes come from the batches; kept for a uniform signature
     model = GPT(model_config)
     abft = _abft_config(protection)
     optimizer = optax.adam(learning_rate)
@@ -304,7 +306,6 @@ class _Runner:
         self.state, self.step = make_step(
             model,
             protection,
-            batch_size=config.batch_size,
             learning_rate=config.learning_rate,
             seed=config.seed,
         )
@@ -648,6 +649,24 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
             "per_cell": per_cell,
             "uncorrectable": [r["key"] for r in recs if r["uncorrectable"]],
         }
+        # The same (site, kind, trial) is the same fault under every protection: pair each
+        # protected trial with its unprotected twin to tell missed harm from missed noise.
+        twins = {(r["site"], r["kind"], r["trial"]): r for r in records if r["protection"] == "off"}
+        if prot != "off" and twins:
+            paired = [(r, twins.get((r["site"], r["kind"], r["trial"]))) for r in recs]
+            harmful = [r for r, t in paired if t is not None and t["class"] != "harmless"]
+            out[prot]["detection_rate_harmful"] = _rate([r["detected"] for r in harmful])
+            out[prot]["harmful_trials"] = len(harmful)
+            out[prot]["missed"] = [
+                {
+                    "key": r["key"],
+                    "bit": r["bit"],
+                    "unprotected_class": t["class"] if t else None,
+                    "unprotected_param_drift": t["param_drift"] if t else None,
+                }
+                for r, t in paired
+                if not r["detected"]
+            ]
     return out
 
 
@@ -674,22 +693,35 @@ def _recovery_text(path: Path) -> list[str]:
     return lines
 
 
+def _model_text(m: dict) -> str:
+    return (
+        f"{m['num_layers']} layers, d_model {m['d_model']}, {m['num_heads']} heads, "
+        f"seq_len {m['seq_len']}"
+    )
+
+
 def markdown(result: dict) -> str:
     """The human-readable report."""
     cfg, summ = result["config"], result["summary"]
     lines = [
         "# sdcguard fault-injection campaign",
         "",
-        f"Model {cfg['model']}, dtype {cfg['dtype']}, batch {cfg['batch_size']}, fault at step "
-        f"{cfg['warmup']}, then {cfg['steps_after']} steps; {cfg['trials']} trials per cell; "
-        f"bitflip bits {result['bits']}. Command: `{result['command']}`.",
+        f"Reference GPT {_model_text(cfg['model'])}, dtype {cfg['dtype']}, batch "
+        f"{cfg['batch_size']}, fault at step {cfg['warmup']}, then {cfg['steps_after']} "
+        f"steps; {cfg['trials']} trials per cell; bitflip bits {result['bits']}. "
+        f"Command: `{result['command']}`.",
         "",
         "## 1. Propagation (unprotected, one block)",
         "",
     ]
     prop = result.get("propagation") or {}
     if prop:
-        lines += ["Most frequent pattern (and its count / faults) in each downstream tensor.", ""]
+        lines += [
+            "Error pattern (count of faults) in each downstream tensor: 0D one element, 1D one "
+            "row or column of one matrix, 2D more; none: the fault was erased (e.g. a causally "
+            "masked score). Per-head tensors count as one [length, heads*dim] matrix.",
+            "",
+        ]
         lines += [
             "| fault site | " + " | ".join(PROPAGATION_TENSORS) + " |",
             "|---" * (len(PROPAGATION_TENSORS) + 1) + "|",
@@ -701,8 +733,7 @@ def markdown(result: dict) -> str:
                 if not c:
                     row.append("")
                     continue
-                p, n = max(c.items(), key=lambda kv: kv[1])
-                row.append(f"{p} ({n}/{sum(c.values())})")
+                row.append(", ".join(f"{p} {n}" for p, n in sorted(c.items())))
             lines.append(f"| {site.rsplit(':', 1)[1]} | " + " | ".join(row) + " |")
     else:
         lines.append("Not run.")
@@ -736,6 +767,19 @@ def markdown(result: dict) -> str:
             f"{_pct(s['per_cell'][k]['corrected'])}"
             for k in missed
         ] or ["- none"]
+        if "missed" in s:
+            lines += [
+                "",
+                f"Detection of the faults that harmed the unprotected run: "
+                f"{_pct(s['detection_rate_harmful'])} of {s['harmful_trials']}. Undetected "
+                "faults and what the same fault did without protection:",
+                "",
+            ]
+            lines += [
+                f"- `{m['key'].split('|', 1)[1]}` bit {m['bit']}: unprotected "
+                f"{m['unprotected_class']}, parameter drift {m['unprotected_param_drift']}"
+                for m in s["missed"][:50]
+            ] or ["- none"]
         lines += ["", f"Uncorrectable trials: {len(s['uncorrectable'])}"]
         lines += [f"- `{k}`" for k in s["uncorrectable"][:50]]
     lines += ["", "## 4. False positives (clean ABFT-checked training)", ""]

@@ -167,3 +167,20 @@ def test_cli_parses_into_config(tmp_path):
     assert len(config.site_list()) == 2 * 19  # default: every attention site of both layers
     with pytest.raises(ValueError, match="unknown fault kinds"):
         CampaignConfig(kinds=("melt",))
+
+
+def test_abft_plus_guard_runs_and_keeps_training_clean(tmp_path):
+    config = tiny(
+        tmp_path,
+        sites=(SCORES,),
+        kinds=("nan",),
+        trials=1,
+        protections=("off", "abft+guard"),
+        fp_steps=0,
+        propagation_trials=0,
+    )
+    result = run_campaign(config, quiet())
+    guard = result["summary"]["abft+guard"]
+    assert guard["detection_rate"] == guard["correction_rate"] == 1.0
+    assert guard["classes"]["harmless"] == 1.0
+    assert guard["detection_rate_harmful"] == 1.0 and guard["missed"] == []
