@@ -115,7 +115,7 @@ class CampaignConfig:
     trials: int = 2
     seed: int = 0
     dtype: str = "fp32"
-    protections: tuple[str, ...] = ("off", "abft")
+    protections: tuple[str, ...] = PROTECTIONS
     warmup: int = 3
     steps_after: int = 4
     spike_rel: float = 0.05

@@ -24,6 +24,7 @@ def tiny(out, **overrides) -> CampaignConfig:
         kinds=("nan", "inf", "scale"),
         value=1.0,  # scale by 1.0: a fault that changes nothing, the known-harmless control
         trials=2,
+        protections=("off", "abft"),
         warmup=1,
         steps_after=2,
         fp_steps=3,
