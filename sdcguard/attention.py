@@ -243,9 +243,10 @@ def dot_product_attention(
     """``flax.linen.dot_product_attention`` with checksum-protected GEMMs (``abft=``).
 
     Usable as the ``attention_fn`` of ``nn.MultiHeadDotProductAttention``. Counters go to the
-    ``'sdc'`` collection of the calling layer (``mutable=['sdc']``); called outside any Flax
-    module, the output is still checked and corrected but the counters are dropped (use
-    :func:`protected_attention` to receive them).
+    ``'sdc'`` collection of the calling layer (``mutable=['sdc']``); inside a protected layer,
+    the layer's own ``ABFTConfig`` applies. Called outside any Flax module, the output is still
+    checked and corrected but the counters are dropped (use :func:`protected_attention` to
+    receive them).
 
     Args: as ``flax.linen.dot_product_attention``; ``abft`` defaults to ``ABFTConfig()``.
 
@@ -262,14 +263,15 @@ def dot_product_attention(
             "einsum_dot_general / qk_attn_weights_einsum / attn_weights_value_einsum are not "
             "supported with ABFT. Remove them or use flax's dot_product_attention unprotected."
         )
+    # Inside a protected layer its recorder (and ABFTConfig) rules; as the attention_fn of a
+    # plain Flax layer, or called directly, this call records for itself.
     recorder = current_recorder()
     owner = None
     if recorder is None:
         owner = _current_linen_module()
-        path = owner.path if owner is not None and owner.scope is not None else ("attention",)
-        recorder = SiteRecorder(path, abft or ABFTConfig())
-    elif abft is not None and abft != recorder.config:
-        recorder = SiteRecorder(recorder.path, abft, recorder.sinks)
+        if owner is not None and owner.scope is None:
+            owner = None  # an unbound module cannot hold counters
+        recorder = SiteRecorder(owner.path if owner else ("attention",), abft or ABFTConfig())
     sow = None
     if module is not None:
         sow = lambda w: module.sow("intermediates", "attention_weights", w)
@@ -289,11 +291,8 @@ def dot_product_attention(
         force_fp32_for_softmax=force_fp32_for_softmax,
         sow=sow,
     )
-    if owner is not None and owner.scope is not None:
-        from sdcguard.linen import record_counts
+    if owner is not None:
+        from sdcguard.linen import record_counts  # linen imports this module
 
         record_counts(owner, recorder.stacked())
-    elif recorder is not current_recorder() and current_recorder() is not None:
-        for s in ATTENTION_SITES:
-            current_recorder().add(s, recorder.counts[s])
     return out
