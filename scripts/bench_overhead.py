@@ -5,6 +5,7 @@ process; the reported time is the median over rounds, and overheads are ratios o
 
     python scripts/bench_overhead.py                 # bench-size GPT (d_model 256, seq 256)
     python scripts/bench_overhead.py --size default  # the tiny default GPT
+    python scripts/bench_overhead.py --per-site      # forward overhead of each site alone
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ VARIANTS = {
     "forward checked": ABFTConfig(backward=False),
     "forward+backward checked": ABFTConfig(),
 }
+# --per-site: where the forward overhead goes.
+PER_SITE_VARIANTS = {
+    "unprotected": None,
+    "layers swapped, no checks": ABFTConfig(sites=()),
+    "projections (fwd)": ABFTConfig(sites=("query", "key", "value", "out"), backward=False),
+    "scores (fwd)": ABFTConfig(sites=("scores",), backward=False),
+    "probs": ABFTConfig(sites=("probs",), backward=False),
+    "context (fwd)": ABFTConfig(sites=("context",), backward=False),
+}
 
 
 def interleaved_medians(fns: dict, rounds: int, inner: int) -> dict[str, float]:
@@ -50,11 +60,11 @@ def interleaved_medians(fns: dict, rounds: int, inner: int) -> dict[str, float]:
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def train_step_fns(model: GPTConfig, batch_size: int) -> dict:
+def train_step_fns(model: GPTConfig, batch_size: int, variants: dict = VARIANTS) -> dict:
     batch = ByteBatches(batch_size=batch_size, seq_len=model.seq_len).batch(0)
     plan = FaultPlan.none()
     fns = {}
-    for name, abft in VARIANTS.items():
+    for name, abft in variants.items():
         state, step = make_train_step(TrainConfig(model=model, batch_size=batch_size, abft=abft))
         compiled = step.lower(state, batch, plan).compile()
         fns[name] = lambda c=compiled, s=state: c(s, batch, plan)[1].loss
@@ -86,12 +96,23 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--inner", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("runs/bench_overhead.json"))
+    parser.add_argument(
+        "--per-site", action="store_true", help="training step only, one protected site at a time"
+    )
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model = SIZES[args.size]
     console = Console()
     results = {}
-    for what, make in (("training step", train_step_fns), ("attention fwd+bwd", attention_fns)):
+    workloads = [("training step", train_step_fns), ("attention fwd+bwd", attention_fns)]
+    if args.per_site:
+        workloads = [
+            ("training step", lambda m, b: train_step_fns(m, b, PER_SITE_VARIANTS)),
+        ]
+    out = args.out or Path(
+        "runs/bench_overhead_per_site.json" if args.per_site else "runs/bench_overhead.json"
+    )
+    for what, make in workloads:
         with console.status(f"compiling {what} variants"):
             fns = make(model, args.batch_size)
         with console.status(f"timing {what} ({args.rounds} interleaved rounds)"):
@@ -107,7 +128,7 @@ def main() -> None:
         for name, t in medians.items():
             table.add_row(what, name, f"{t * 1e3:.2f}", f"{(t / base - 1) * 100:+.1f}%")
     console.print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "size": args.size,
         "model": repr(model),
@@ -120,8 +141,8 @@ def main() -> None:
             what: {k: v / m["unprotected"] - 1 for k, v in m.items()} for what, m in results.items()
         },
     }
-    args.out.write_text(json.dumps(payload, indent=1))
-    console.print(f"wrote {args.out}")
+    out.write_text(json.dumps(payload, indent=1))
+    console.print(f"wrote {out}")
 
 
 if __name__ == "__main__":
