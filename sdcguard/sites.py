@@ -17,7 +17,6 @@ import zlib
 from collections.abc import Sequence
 
 # The GEMM sites of one attention layer, in execution order.
-PROJECTION_SITES = ("query", "key", "value")
 GEMM_SITES = ("query", "key", "value", "scores", "context", "out")
 # `probs` is protected by the softmax invariant (every unmasked row sums to 1), not a GEMM.
 ATTENTION_SITES = ("query", "key", "value", "scores", "probs", "context", "out")
