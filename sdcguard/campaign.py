@@ -51,7 +51,7 @@ from rich.table import Table
 from sdcguard import inject, linen
 from sdcguard.abft import NUM_COUNTERS, ABFTConfig
 from sdcguard.inject import Fault, FaultPlan
-from sdcguard.models import GPT, ByteBatches, GPTConfig, init_params, lm_loss
+from sdcguard.models import ByteBatches, GPTConfig
 from sdcguard.sites import (
     ATTENTION_SITES,
     FAULT_KINDS,
@@ -59,7 +59,7 @@ from sdcguard.sites import (
     attention_site_names,
     split_site,
 )
-from sdcguard.training import UNCHECKED, TrainState
+from sdcguard.training import UNCHECKED, TrainConfig, TrainState, make_train_step
 
 PROTECTIONS = ("off", "abft", "abft+guard")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -200,55 +200,25 @@ def make_step(
     learning_rate: float,
     seed: int,
 ) -> tuple[TrainState, Callable]:
-    """Initial state and the jitted step of one campaign configuration.
-
-    ``step(state, batch, plan) -> (state, (loss, counts, params_finite, sdc, sink_grads))``:
-    ``counts`` are the int32 ``[3]`` totals (detected, corrected, uncorrectable) of the step,
-    ``params_finite`` whether every updated parameter is finite.
-
-    Like :func:`sdcguard.training.make_train_step`, but with ``abft+guard`` the update guard is
-    given the loss and ABFT's uncorrectable count, which the generic step does not pass.
-    """
-    model = GPT(model_config)
-    abft = _abft_config(protection)
+    """Initial state and the jitted :func:`sdcguard.training.make_train_step` of one
+    configuration; with ``abft+guard`` the optimizer is wrapped in the update guard (the step
+    passes it the loss and ABFT's uncorrectable count)."""
     optimizer = optax.adam(learning_rate)
     if protection == "abft+guard":
         from sdcguard.optim import refuse_corrupted
 
         optimizer = refuse_corrupted(optimizer)
-    params = init_params(model, seed)
-    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
-    tokens = jnp.zeros((1, model_config.seq_len), jnp.int32)
-    with linen.protect(UNCHECKED):
-        shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))
-    sinks = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["sdc_grad"])
+    train = TrainConfig(
+        model=model_config,
+        learning_rate=learning_rate,
+        seed=seed,
+        abft=_abft_config(protection),
+    )
+    return make_train_step(train, optimizer)
 
-    def loss_fn(params, sinks, batch, plan):
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        with inject.faults(plan), linen.protect(abft):
-            logits, updated = model.apply(
-                {"params": params, "sdc_grad": sinks}, inputs, mutable=["sdc"]
-            )
-        return lm_loss(logits, targets), updated["sdc"]
 
-    @jax.jit
-    def step(state: TrainState, batch, plan: FaultPlan):
-        plan = plan.at_step(state.step)
-        grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
-        (loss, sdc), (grads, sink_grads) = grad_fn(state.params, sinks, batch, plan)
-        counts = linen.total_counts(sdc, sink_grads)
-        extra = {}
-        if protection == "abft+guard":
-            extra = {"loss": loss, "abft_uncorrectable": counts[2]}
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params, **extra)
-        params = optax.apply_updates(state.params, updates)
-        finite = jnp.all(
-            jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree_util.tree_leaves(params)])
-        )
-        new = TrainState(state.step + 1, params, opt_state)
-        return new, (loss, counts, finite, sdc, sink_grads)
-
-    return state, step
+def _all_finite(tree) -> bool:
+    return all(bool(np.all(np.isfinite(x))) for x in jax.tree_util.tree_leaves(tree))
 
 
 # --- Trials ------------------------------------------------------------------------------------
@@ -321,13 +291,14 @@ class _Runner:
 
     def _run(self, plan: FaultPlan):
         state, first = self.state, None
-        losses, finite = [], None
+        losses = []
         for i in range(self.config.warmup, len(self.batches)):
-            state, (loss, counts, finite, sdc, sg) = self.step(state, self.batches[i], plan)
-            losses.append(loss)
+            state, out = self.step(state, self.batches[i], plan)
+            losses.append(out.loss)
             if first is None:
-                first = (counts, sdc, sg)
-        return [float(x) for x in jax.device_get(losses)], first, bool(finite), state.params
+                first = (out.counts, out.sdc, out.sink_grads)
+        losses = [float(x) for x in jax.device_get(losses)]
+        return losses, first, _all_finite(state.params), state.params
 
     def trial(self, site: str, kind: str, trial: int) -> dict[str, Any]:
         fault = make_fault(self.config, site, kind, trial)
@@ -583,8 +554,8 @@ def false_positives(config: CampaignConfig, dtype: str, steps: int) -> dict[str,
     alarms = []
     t0 = time.perf_counter()
     for i in range(steps):
-        state, (_, counts, _, _, _) = step(state, jnp.asarray(data.batch(i)), plan)
-        alarms.append(counts)
+        state, out = step(state, jnp.asarray(data.batch(i)), plan)
+        alarms.append(out.counts)
     alarms = np.asarray(jax.device_get(alarms)).reshape(-1, NUM_COUNTERS)
     # Per layer and step: 6 forward GEMMs, 12 backward GEMMs; softmax rows are checked apart.
     gemms_per_step = m.num_layers * 3 * len(GEMM_SITES)
