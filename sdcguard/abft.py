@@ -351,8 +351,6 @@ def check_contraction(
     row_ref = rows.ref
     bad_row = ~(rows.deviation <= rows.threshold)
     flagged_any = jnp.any(bad_row)
-    f32 = jnp.float32
-    a32, b32, c32 = a.astype(f32), b.astype(f32), c.astype(f32)
     col_term = ct.without(ct.lhs_free)
     row_term = ct.without(ct.rhs_free)
     dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
@@ -366,13 +364,12 @@ def check_contraction(
     def on_c(x, term):
         return x.reshape([dims[x_] if x_ in term else 1 for x_ in out])
 
-    def axes(term, letters):
-        return tuple(i for i, x_ in enumerate(term) if x_ in letters)
-
-    lhs_axes, rhs_axes = axes(out, ct.lhs_free), axes(out, ct.rhs_free)
-    col_free, row_free = axes(col_term, ct.rhs_free), axes(row_term, ct.lhs_free)
+    lhs_axes, rhs_axes = _axes(out, ct.lhs_free), _axes(out, ct.rhs_free)
+    col_free, row_free = _axes(col_term, ct.rhs_free), _axes(row_term, ct.lhs_free)
 
     def locate_and_correct(_):
+        # Casts live in the branch: outside it, a bf16 C would be widened on every clean step.
+        c32 = c.astype(jnp.float32)
         cols = line_checksums(c, a, b, ct, "col", safety=config.safety, precision=precision)
         col_ref = cols.ref
         bad_col = ~(cols.deviation <= cols.threshold)
@@ -399,7 +396,9 @@ def check_contraction(
         n_cols = jnp.sum(bad_col, axis=col_free)
         one_row = (n_rows == 1) & ~by_col & ~by_row
         one_col = (n_cols == 1) & ~by_col & ~by_row & ~one_row
-        fresh = jnp.einsum(ct.spec, a32, b32, precision="highest")
+        fresh = jnp.einsum(
+            ct.spec, a.astype(jnp.float32), b.astype(jnp.float32), precision="highest"
+        )
         redo = (br & on_c(one_row, batch)) | (bc & on_c(one_col, batch))
         fixed = jnp.where(redo, fresh, fixed)
 
