@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -207,6 +207,32 @@ def random_index(seed: jax.Array, sid: int, size: int) -> jax.Array:
     return (h % jnp.uint32(size)).astype(jnp.int32)
 
 
+_RESTRICTION: contextvars.ContextVar[tuple[frozenset[str] | None, dict[str, int] | None]] = (
+    contextvars.ContextVar("sdcguard_injection_restriction", default=(None, None))
+)
+
+
+@contextlib.contextmanager
+def restrict_sites(
+    armed: Iterable[str] | None = None, *, sizes: dict[str, int] | None = None
+) -> Iterator[None]:
+    """While tracing inside the block, compile injection code only at the ``armed`` sites.
+
+    A model has hundreds of sites; when only a few can be targeted (a replay node with a known
+    fault spec), the others then compile to nothing. Two programs traced with the same armed set
+    are the same program whatever their plans. If ``sizes`` is given, it receives the element
+    count of every site traced, armed or not.
+
+    Cover the whole trace, ``value_and_grad`` included: backward sites are traced when the
+    gradient is, after the forward pass has returned.
+    """
+    token = _RESTRICTION.set((None if armed is None else frozenset(armed), sizes))
+    try:
+        yield
+    finally:
+        _RESTRICTION.reset(token)
+
+
 def apply(x: jax.Array, plan: FaultPlan | None, site: str) -> jax.Array:
     """Applies the faults of ``plan`` addressed to ``site`` at the current step to ``x``.
 
@@ -214,7 +240,10 @@ def apply(x: jax.Array, plan: FaultPlan | None, site: str) -> jax.Array:
     and the site, so one seed hits a different element at each site. All faults of the plan are
     applied in one gather and one scatter.
     """
-    if plan is None or plan.num_faults == 0:
+    armed, sizes = _RESTRICTION.get()
+    if sizes is not None:
+        sizes.setdefault(site, int(x.size))
+    if plan is None or plan.num_faults == 0 or (armed is not None and site not in armed):
         return x
     sid = site_id(site)
     flat = x.reshape(-1)

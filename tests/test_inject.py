@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sdcguard.inject import Fault, FaultPlan, apply, corrupt, faults, parse_spec
+from sdcguard.inject import Fault, FaultPlan, apply, corrupt, faults, parse_spec, restrict_sites
 from sdcguard.sites import FaultKind
 
 SITE = "m/attn:scores"
@@ -116,3 +116,18 @@ def test_spec_round_trip():
 def test_capacity_too_small():
     with pytest.raises(ValueError, match="do not fit"):
         FaultPlan.from_faults([Fault(site=SITE, kind="nan")] * 3, capacity=2)
+
+
+def test_restrict_sites_compiles_injection_only_where_armed():
+    x = jnp.zeros((4, 5))
+    plan = FaultPlan.from_faults([Fault(site=SITE, kind="value", value=1.0, index=7)])
+    sizes: dict[str, int] = {}
+    with restrict_sites({"m/attn:context"}, sizes=sizes):
+        unarmed = jax.make_jaxpr(lambda x, p: apply(x, p, SITE))(x, plan)
+        untouched = apply(x, plan, SITE)
+    with restrict_sites({SITE}):
+        hit = apply(x, plan, SITE)
+    assert len(unarmed.eqns) <= 1  # at most the reshape-free identity: no injection code
+    np.testing.assert_array_equal(untouched, x)
+    assert np.asarray(hit).reshape(-1)[7] == 1.0
+    assert sizes == {SITE: 20}

@@ -53,71 +53,19 @@ def padded_plan(faults: Sequence[inject.Fault] = ()) -> inject.FaultPlan:
     return inject.FaultPlan.from_faults(list(faults), capacity=FAULT_SLOTS)
 
 
-# While a program is traced: the sites whose injection code is compiled in ("armed"), and the
-# sizes of the tensors at every site seen (filled in by a discovery trace). Set only for the
-# duration of one trace by _resolved_injection; tracing is single-threaded here.
-_ARMED: frozenset[str] = frozenset()
-_SITE_SIZES: dict[str, int] | None = None
-
-
-def apply_fault(x: jax.Array, plan: inject.FaultPlan | None, site: str) -> jax.Array:
-    """``inject.apply`` restricted to armed sites, for plans with host-resolved indices.
-
-    Same semantics as ``inject.apply`` (index modulo size, same corruption), but:
-    only the armed sites get injection code (an unarmed site compiles to nothing: a replay
-    program has ~150 sites, and injection code at all of them multiplies its compile time),
-    the random index is resolved on the host (:func:`resolve_plan`), and the gradient passes
-    through the fault unchanged.
-    """
-    if _SITE_SIZES is not None:
-        _SITE_SIZES.setdefault(site, int(np.prod(x.shape)))
-    if plan is None or plan.num_faults == 0 or site not in _ARMED:
-        return x
-    flat = x.reshape(-1)
-    index = plan.index % flat.size  # resolved on the host: never the "random" -1
-    new = jax.vmap(inject.corrupt)(flat[index], plan.kind, plan.bit, plan.value)
-    # As inject.apply: faults that do not fire go out of bounds and are dropped.
-    index = jnp.where(inject.fault_hits(plan, site_id(site)), index, flat.size)
-    faulty = flat.at[index].set(new, mode="drop")
-    # A faulty chip computes its backward as if the value were right: the gradient passes
-    # through the fault unchanged (``.at[].set`` alone would zero it at the faulty element).
-    return _straight_through(x, faulty.reshape(x.shape))
-
-
-@jax.custom_vjp
-def _straight_through(clean, faulty):
-    del clean
-    return faulty
-
-
-_straight_through.defvjp(
-    lambda clean, faulty: (faulty, None),
-    lambda _, g: (g, jnp.zeros_like(g)),
-)
-
-
-@contextlib.contextmanager
-def _resolved_injection(armed: frozenset[str], sizes: dict[str, int] | None = None):
-    """Routes every injection point (sdcguard's attention included) through apply_fault."""
-    global _ARMED, _SITE_SIZES
-    saved = inject.apply, _ARMED, _SITE_SIZES
-    inject.apply, _ARMED, _SITE_SIZES = apply_fault, armed, sizes
-    try:
-        yield
-    finally:
-        inject.apply, _ARMED, _SITE_SIZES = saved
-
-
 def _with_resolved_injection(fn, armed: frozenset[str], sizes: dict[str, int] | None = None):
-    """``fn`` traced with every injection point routed through apply_fault.
+    """``fn`` traced with injection code only at the ``armed`` sites (see
+    :func:`sdcguard.inject.restrict_sites`); ``sizes`` receives every site's element count.
 
     The whole trace must be covered, not just the forward: the backward injection points
     (``...grad_lhs``) are traced when ``value_and_grad`` transposes, after the forward returns.
+    Random fault indices are resolved on the host beforehand (:func:`resolve_plan`), so a trace
+    records the element that was hit.
     """
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        with _resolved_injection(armed, sizes):
+        with inject.restrict_sites(armed, sizes=sizes):
             return fn(*args, **kwargs)
 
     return wrapped
@@ -162,7 +110,7 @@ def _param_paths(params) -> list[tuple[str, ...]]:
 def _inject_tree(tree, plan, suffix: str):
     """Applies the plan's faults to every leaf of a parameter-shaped tree (sites ``...suffix``)."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: apply_fault(x, plan, param_site(_keys(p)) + suffix),
+        lambda p, x: inject.apply(x, plan, param_site(_keys(p)) + suffix),
         tree,
     )
 
@@ -327,7 +275,7 @@ class Hooks:
             site = f"{call_id}output" + (f".{j}" if len(arrays) > 1 else "") + suffix
             x = leaves[i]
             if jnp.issubdtype(x.dtype, jnp.inexact):
-                x = apply_fault(x, self.plan, site)
+                x = inject.apply(x, self.plan, site)
             if tapped:
                 x = self._tap(
                     site,
