@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +11,7 @@ import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from multidevice import needs_8, run_on_8_devices
 
 from sdcguard.optim import (
     GuardConfig,
@@ -334,26 +332,11 @@ def test_clean_reference_gpt_training_has_zero_refusals_and_matches_adam():
 
 # --- Cross-replica agreement on 8 CPU devices ---------------------------------------------------
 
-EIGHT = "--xla_force_host_platform_device_count=8"
-SELECT = ("-k", "on_8_devices")
-needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="runs in a subprocess with 8 devices")
-
 
 def test_multidevice_checks_in_a_subprocess_with_8_cpu_devices():
     """Runs this file's ``on_8_devices`` tests in a process that sees 8 CPU devices."""
-    if jax.device_count() >= 8:
-        pytest.skip("this process already has 8 devices: the tests run directly")
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {EIGHT}".strip()}
-    env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, *SELECT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]
+    out = run_on_8_devices(__file__)
+    assert " passed" in out and "skipped" not in out.splitlines()[-1]
 
 
 def replicated_step(tx, mesh):

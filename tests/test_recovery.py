@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from multidevice import needs_8, run_on_8_devices
 
 from sdcguard import recovery
 from sdcguard.optim import refuse_corrupted
@@ -420,26 +421,11 @@ def test_checkpoint_interval_without_a_tier_is_rejected():
 
 # --- Sharded round trips on 8 CPU devices ----------------------------------------------------
 
-EIGHT = "--xla_force_host_platform_device_count=8"
-SELECT = ("-k", "on_8_devices")
-needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="runs in a subprocess with 8 devices")
-
 
 def test_multidevice_checks_in_a_subprocess_with_8_cpu_devices():
     """Runs this file's ``on_8_devices`` tests in a process that sees 8 CPU devices."""
-    if jax.device_count() >= 8:
-        pytest.skip("this process already has 8 devices: the tests run directly")
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {EIGHT}".strip()}
-    env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, *SELECT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "2 passed" in result.stdout
+    out = run_on_8_devices(__file__)
+    assert "2 passed" in out
 
 
 def sharded_state():
