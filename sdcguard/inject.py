@@ -20,14 +20,23 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdcguard.sites import NEAR_INF, FaultKind, site_id, split_site
+from sdcguard.sites import (
+    NEAR_INF,
+    FaultKind,
+    is_output_site,
+    output_site_name,
+    site_id,
+    split_site,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -250,10 +259,17 @@ def apply(x: jax.Array, plan: FaultPlan | None, site: str) -> jax.Array:
     index = jnp.where(
         plan.index >= 0, plan.index % flat.size, random_index(plan.seed, sid, flat.size)
     )
-    new = jax.vmap(corrupt)(flat[index], plan.kind, plan.bit, plan.value)
+    old = flat[index]
+    new = jax.vmap(corrupt)(old, plan.kind, plan.bit, plan.value)
+    fires = fault_hits(plan, sid)
+    log = _HIT_LOG.get()
+    if log is not None:
+        jax.debug.callback(
+            functools.partial(log._record, site), fires, index, old, new, plan.current_step
+        )
     # Faults that do not fire are sent out of bounds and dropped, so they cannot race a firing
     # fault at the same index.
-    index = jnp.where(fault_hits(plan, sid), index, flat.size)
+    index = jnp.where(fires, index, flat.size)
     return _straight_through(x, flat.at[index].set(new, mode="drop").reshape(x.shape))
 
 
@@ -270,6 +286,162 @@ def _straight_through(clean: jax.Array, corrupted: jax.Array) -> jax.Array:
 @_straight_through.defjvp
 def _straight_through_jvp(primals, tangents):
     return primals[1], tangents[0]
+
+
+# --- Module outputs: sites ``path:output`` --------------------------------------------------------
+
+
+@contextlib.contextmanager
+def module_outputs(
+    sites: Iterable[str] | None = None, *, seen: dict[str, tuple[int, ...]] | None = None
+) -> Iterator[None]:
+    """Injects the active plan's faults into the outputs of Flax linen modules (``path:output``).
+
+    Inside the block, the output of every linen module's ``__call__`` whose site is armed gets
+    the faults of the active plan (:func:`faults`) addressed to that site, exactly as a GEMM
+    site does (:func:`apply`): forward only, with the gradient flowing straight through as if
+    the output were clean. Modules whose site is not armed are untouched, so the compiled code
+    changes only at armed sites. The model's code needs no change (the calls are intercepted
+    with ``flax.linen.intercept_methods``).
+
+    Site names: the module path joined by ``/``, then ``:output`` -- ``decoder/block_0:output``,
+    ``decoder/block_0/mlp:output``, ``decoder/block_0/ln_mlp:output``; the top-level module is
+    ``model:output``; a module returning several arrays has ``path:output.0``, ``path:output.1``
+    and so on. A module called more than once is one site: its fault fires at every call. List
+    a model's sites with :func:`output_sites`.
+
+    Args:
+      sites: the output sites to arm; None arms every module output (one gather and scatter
+        per module call: a diagnostic setting).
+      seen: receives the shape of every module output traced inside the block, armed or not.
+
+    Raises:
+      ValueError: on entry, for a name that is not an output site (backward faults, e.g.
+        ``path:output.grad_lhs``, exist only at attention GEMM sites); on leaving a block that
+        traced module calls, for an armed site that no module produced, listing those that were.
+
+    Example:
+      >>> plan = FaultPlan.from_faults([Fault(site="decoder/block_0/mlp:output", kind="nan")])
+      >>> @jax.jit
+      ... def loss_fn(params, tokens, plan):
+      ...     with faults(plan), module_outputs({"decoder/block_0/mlp:output"}):
+      ...         return lm_loss(model.apply({"params": params}, tokens[:, :-1]), tokens[:, 1:])
+      >>> jax.grad(loss_fn)(params, tokens, plan)  # forward corrupted, gradient straight through
+    """
+    armed = None if sites is None else frozenset(sites)
+    for name in armed or ():
+        if not is_output_site(name):
+            hint = (
+                "output sites take forward faults only; backward faults exist at attention "
+                "GEMM sites (path:scores.grad_lhs ...)"
+                if ".grad" in split_site(name)[1]
+                else "attention sites are armed by sdcguard.linen.protect, not here"
+            )
+            raise ValueError(f"{name!r} is not a module-output site 'path:output' ({hint})")
+    traced: dict[str, tuple[int, ...]] = {} if seen is None else seen
+
+    def interceptor(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        if context.method_name != "__call__":
+            return out
+        leaves, tree = jax.tree_util.tree_flatten(out)
+        arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+        for j, i in enumerate(arrays):
+            x = leaves[i]
+            site = output_site_name(context.module.path, j if len(arrays) > 1 else None)
+            traced.setdefault(site, tuple(x.shape))
+            if (armed is None or site in armed) and jnp.issubdtype(x.dtype, jnp.inexact):
+                leaves[i] = apply(x, active_plan(like=x), site)
+        return jax.tree_util.tree_unflatten(tree, leaves)
+
+    with nn.intercept_methods(interceptor):
+        yield
+    missing = sorted((armed or frozenset()) - set(traced))
+    if traced and missing:
+        listing = "\n  ".join(sorted(traced))
+        raise ValueError(
+            f"unknown module-output sites {missing}: no module produced them; the module "
+            f"outputs are:\n  {listing}"
+        )
+
+
+def output_sites(fn: Callable, *args, **kwargs) -> dict[str, tuple[int, ...]]:
+    """Every module-output site that ``fn(*args, **kwargs)`` produces, with its shape.
+
+    Found by abstract evaluation (``jax.eval_shape``): nothing is computed.
+
+    Example:
+      >>> sites = output_sites(lambda: model.init(jax.random.key(0), tokens))
+      >>> sites["decoder/block_0/mlp:output"]
+      (1, 64, 64)
+    """
+    seen: dict[str, tuple[int, ...]] = {}
+    with module_outputs((), seen=seen):
+        jax.eval_shape(functools.partial(fn, *args, **kwargs))
+    return seen
+
+
+# --- Recording what the faults did --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hit:
+    """One fault that fired: where, which element, and its value before and after."""
+
+    site: str
+    index: int
+    old: float
+    new: float
+    step: int
+
+
+class HitLog:
+    """Receives every fault that fires in code traced inside :func:`recording_hits`.
+
+    A diagnostic for campaigns (what did a bit flip actually do to the value?): each site that
+    could fire sends its faults to the host with ``jax.debug.callback`` at every run of the
+    compiled code, so use it for measurements, not in production steps.
+
+    Example:
+      >>> log = HitLog()
+      >>> with recording_hits(log):
+      ...     step = jax.jit(step_fn).lower(*args).compile()  # or the first (tracing) call
+      >>> step(*args); log.take()
+      [Hit(site='decoder/block_0/attn:scores', index=17, old=0.25, new=8.5e+37, step=3)]
+    """
+
+    def __init__(self):
+        self._hits: list[Hit] = []
+
+    def _record(self, site, fires, index, old, new, step):
+        for f, i, o, n in zip(
+            np.asarray(fires), np.asarray(index), np.asarray(old), np.asarray(new), strict=True
+        ):
+            if f:
+                self._hits.append(
+                    Hit(site=site, index=int(i), old=float(o), new=float(n), step=int(step))
+                )
+
+    def take(self) -> list[Hit]:
+        """The hits recorded so far (waiting for pending callbacks), and forgets them."""
+        jax.effects_barrier()
+        hits, self._hits = self._hits, []
+        return hits
+
+
+_HIT_LOG: contextvars.ContextVar[HitLog | None] = contextvars.ContextVar(
+    "sdcguard_hit_log", default=None
+)
+
+
+@contextlib.contextmanager
+def recording_hits(log: HitLog) -> Iterator[HitLog]:
+    """While tracing inside the block, compiles a report of every firing fault into ``log``."""
+    token = _HIT_LOG.set(log)
+    try:
+        yield log
+    finally:
+        _HIT_LOG.reset(token)
 
 
 # --- The command-line form of a fault: "site=...,kind=...,index=...,step=...". ---

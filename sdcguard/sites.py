@@ -79,6 +79,27 @@ def split_site(name: str) -> tuple[str, str]:
     return path, site
 
 
+ROOT_MODULE = "model"  # the top-level module's path in site names (its own path is empty)
+OUTPUT = "output"  # the site of a module's output: ``path:output``
+
+
+def module_path_name(module_path: Sequence[str]) -> str:
+    """``('decoder', 'block_0')`` -> ``'decoder/block_0'``; the root module is ``'model'``."""
+    return "/".join(module_path) if module_path else ROOT_MODULE
+
+
+def output_site_name(module_path: Sequence[str], index: int | None = None) -> str:
+    """The site of a module's output: ``decoder/block_0/mlp:output`` (``:output.1`` for the
+    second array of a module that returns several)."""
+    return f"{module_path_name(module_path)}:{OUTPUT}" + ("" if index is None else f".{index}")
+
+
+def is_output_site(name: str) -> bool:
+    """Whether ``name`` is a module-output site (``path:output`` or ``path:output.i``)."""
+    site = split_site(name)[1]
+    return site == OUTPUT or (site.startswith(OUTPUT + ".") and site[len(OUTPUT) + 1 :].isdigit())
+
+
 def backward_site_names(forward_site: str) -> tuple[str, str]:
     """The two gradient-GEMM sites of a forward GEMM site."""
     return tuple(forward_site + s for s in GRAD_SUFFIXES)  # type: ignore[return-value]

@@ -3,11 +3,17 @@
 This is the workload of the demo, the benchmarks and the campaigns, and a worked example of
 wiring sdcguard into a training step: the fault plan is an argument (one compilation for any
 plan), :func:`sdcguard.linen.protect` swaps the attention layers, forward counters come back in
-the ``'sdc'`` collection and backward counters as the gradient of the ``'sdc_grad'`` sinks.
+the ``'sdc'`` collection and backward counters as the gradient of the ``'sdc_grad'`` sinks, and
+:func:`sdcguard.inject.module_outputs` arms the module-output sites (``path:output``) asked for.
+
+Two tasks share everything but the model and the loss: ``gpt`` (the decoder, next-byte
+prediction) and ``encoder`` (the bidirectional encoder, masked-byte prediction with a mask drawn
+from the step number, so a step is a pure function of its inputs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
@@ -19,9 +25,22 @@ import optax
 
 from sdcguard import inject, linen
 from sdcguard.abft import NUM_COUNTERS, ABFTConfig
-from sdcguard.models import GPT, GPTConfig, init_params, lm_loss
+from sdcguard.models import (
+    GPT,
+    Encoder,
+    GPTConfig,
+    init_params,
+    lm_loss,
+    mask_tokens,
+    mlm_loss,
+)
 
 UNCHECKED = ABFTConfig(sites=())  # layers swapped, injection points live, nothing checked
+MODEL_KINDS = ("gpt", "encoder")
+# The module holding the blocks of each model kind: attention sites are
+# ``{stack}/block_{i}/attn:...``.
+STACK_NAMES = {"gpt": "decoder", "encoder": "encoder"}
+_MASK_STREAM = 0x6D61736B  # "mask"
 
 
 class TrainState(NamedTuple):
@@ -49,28 +68,101 @@ class StepOutput(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """A reference-GPT training run.
+    """A training run of a reference model.
 
     Attributes:
-      model: size of the GPT.
+      model: size of the model (the GPT and the encoder share :class:`GPTConfig`).
+      model_kind: ``gpt`` (decoder, next-byte loss on ``batch[:, :-1]`` -> ``batch[:, 1:]``)
+        or ``encoder`` (bidirectional, masked-byte loss on ``batch[:, :-1]``; the mask of step
+        ``t`` is drawn from ``fold_in(key(seed), t)``).
+      mask_rate: fraction of bytes masked per sequence (``encoder`` only).
       batch_size: sequences per batch.
       learning_rate: Adam learning rate.
       seed: parameter seed (data seed is ``seed`` too).
       abft: protection of the attention layers: None (plain Flax layers, no injection
         points), ``UNCHECKED`` (injection points, no checks) or an ABFTConfig.
+      output_sites: module-output sites (``decoder/block_0/mlp:output`` ...) where the fault
+        plan can inject (see :func:`sdcguard.inject.module_outputs`); others compile to nothing.
+
+    Example:
+      >>> TrainConfig(model_kind="encoder", output_sites=("encoder/block_0/mlp:output",))
     """
 
     model: GPTConfig = GPTConfig()
+    model_kind: str = "gpt"
+    mask_rate: float = 0.15
     batch_size: int = 8
     learning_rate: float = 3e-3
     seed: int = 0
     abft: ABFTConfig | None = ABFTConfig()
+    output_sites: tuple[str, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "output_sites", tuple(self.output_sites))
+        if self.model_kind not in MODEL_KINDS:
+            raise ValueError(
+                f"model_kind must be one of {list(MODEL_KINDS)}, got {self.model_kind!r}"
+            )
+        if not 0 < self.mask_rate < 1:
+            raise ValueError(f"mask_rate must be in (0, 1), got {self.mask_rate}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+
+    @property
+    def stack_name(self) -> str:
+        """The module holding the blocks: ``decoder`` (gpt) or ``encoder``."""
+        return STACK_NAMES[self.model_kind]
+
+
+def build_model(config: TrainConfig) -> nn.Module:
+    """The Flax module of ``config.model_kind``, at size ``config.model``."""
+    return (GPT if config.model_kind == "gpt" else Encoder)(config.model)
+
+
+def objective(config: TrainConfig) -> Callable[[Callable, jax.Array, jax.Array], jax.Array]:
+    """The loss of the task: ``objective(apply, batch, step) -> float32 scalar``.
+
+    ``apply(tokens) -> logits`` runs the model; ``batch`` is int32 ``[batch, seq_len + 1]``;
+    ``step`` (int32, may be traced) seeds the encoder's mask.
+    """
+    if config.model_kind == "gpt":
+
+        def gpt_objective(apply, batch, step):
+            del step
+            return lm_loss(apply(batch[:, :-1]), batch[:, 1:])
+
+        return gpt_objective
+    # A stream of its own: the parameters are drawn from key(seed) itself.
+    mask_key = jax.random.fold_in(jax.random.key(config.seed), _MASK_STREAM)
+
+    def encoder_objective(apply, batch, step):
+        key = jax.random.fold_in(mask_key, step)
+        inputs, targets, weights = mask_tokens(batch[:, :-1], key, config.mask_rate)
+        return mlm_loss(apply(inputs), targets, weights)
+
+    return encoder_objective
+
+
+def model_output_sites(config: TrainConfig) -> dict[str, tuple[int, ...]]:
+    """Every module-output site of the model of ``config`` (batch 1), with its shape."""
+    model = build_model(config)
+    tokens = jnp.zeros((1, config.model.seq_len), jnp.int32)
+    return inject.output_sites(lambda: model.init(jax.random.key(0), tokens))
+
+
+def _check_output_sites(config: TrainConfig) -> None:
+    if not config.output_sites:
+        return
+    valid = model_output_sites(config)
+    unknown = [s for s in config.output_sites if s not in valid]
+    if unknown:
+        listing = "\n  ".join(valid)
+        raise ValueError(
+            f"unknown module-output sites {unknown} for the {config.model_kind} model; valid "
+            f"output sites:\n  {listing}"
+        )
 
 
 def _sinks(model: nn.Module, config: GPTConfig):
@@ -81,18 +173,34 @@ def _sinks(model: nn.Module, config: GPTConfig):
 
 
 def make_train_step(
-    config: TrainConfig, optimizer: optax.GradientTransformation | None = None
+    config: TrainConfig,
+    optimizer: optax.GradientTransformation | None = None,
+    *,
+    hit_log: inject.HitLog | None = None,
 ) -> tuple[TrainState, Callable]:
     """The initial state and the jitted step ``step(state, batch, plan) -> (state, StepOutput)``.
 
-    ``batch`` is int32 ``[batch, seq_len + 1]`` (inputs and shifted targets); ``plan`` is a
-    :class:`sdcguard.inject.FaultPlan` (``FaultPlan.none()`` for a clean step).
+    ``batch`` is int32 ``[batch, seq_len + 1]`` (the GPT's inputs and shifted targets; the
+    encoder reads the first ``seq_len`` bytes); ``plan`` is a :class:`sdcguard.inject.FaultPlan`
+    (``FaultPlan.none()`` for a clean step).
+
+    Args:
+      config: the run.
+      optimizer: default ``optax.adam(config.learning_rate)``; it receives ``loss`` and
+        ``abft_uncorrectable`` as extra arguments (an update guard reads them).
+      hit_log: if given, every fault that fires is reported to it (a diagnostic; see
+        :class:`sdcguard.inject.HitLog`).
+
+    Raises:
+      ValueError: an output site that the model does not have (the valid ones are listed).
 
     Example:
-      >>> state, step = make_train_step(TrainConfig())
+      >>> state, step = make_train_step(TrainConfig(model_kind="encoder"))
       >>> state, out = step(state, ByteBatches().batch(0), FaultPlan.none())
     """
-    model = GPT(config.model)
+    _check_output_sites(config)
+    model = build_model(config)
+    task_loss = objective(config)
     # Extra args (loss, ABFT counts) reach an update guard and are ignored by plain optimizers.
     optimizer = optax.with_extra_args_support(optimizer or optax.adam(config.learning_rate))
     params = init_params(model, config.seed)
@@ -100,21 +208,38 @@ def make_train_step(
     protected = config.abft is not None
     sinks = _sinks(model, config.model) if protected else {}
 
-    def loss_fn(params, sinks, batch, plan):
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        if not protected:
-            return lm_loss(model.apply({"params": params}, inputs), targets), {}
-        with inject.faults(plan), linen.protect(config.abft):
+    def loss_fn(params, sinks, batch, plan, step):
+        sdc = {}
+
+        def apply(tokens):
+            if not protected:
+                return model.apply({"params": params}, tokens)
             logits, updated = model.apply(
-                {"params": params, "sdc_grad": sinks}, inputs, mutable=["sdc"]
+                {"params": params, "sdc_grad": sinks}, tokens, mutable=["sdc"]
             )
-        return lm_loss(logits, targets), updated["sdc"]
+            sdc.update(updated["sdc"])
+            return logits
+
+        with contextlib.ExitStack() as stack:
+            if hit_log is not None:
+                stack.enter_context(inject.recording_hits(hit_log))
+            if protected or config.output_sites:
+                stack.enter_context(inject.faults(plan))
+            if protected:
+                stack.enter_context(linen.protect(config.abft))
+            if config.output_sites:
+                stack.enter_context(inject.module_outputs(config.output_sites))
+            loss = task_loss(apply, batch, step)
+        return loss, sdc
 
     @jax.jit
     def step(state: TrainState, batch: jax.Array, plan: inject.FaultPlan):
         plan = plan.at_step(state.step)
         grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
-        (loss, sdc), (grads, sink_grads) = grad_fn(state.params, sinks, batch, plan)
+        with contextlib.ExitStack() as stack:
+            if hit_log is not None:  # backward sites are traced after loss_fn returns
+                stack.enter_context(inject.recording_hits(hit_log))
+            (loss, sdc), (grads, sink_grads) = grad_fn(state.params, sinks, batch, plan, state.step)
         counts = (
             linen.total_counts(sdc, sink_grads)
             if protected

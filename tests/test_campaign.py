@@ -126,7 +126,7 @@ def test_resume_neither_repeats_nor_loses_trials(full, tmp_path):
 
 def test_corrupt_lines(tmp_path):
     path = tmp_path / "trials.jsonl"
-    good = json.dumps({k: 0 for k in campaign._REQUIRED} | {"key": "a"}) + "\n"
+    good = json.dumps({k: 0 for k in campaign.trials._REQUIRED} | {"key": "a"}) + "\n"
     path.write_text(good + '{"key": "b", "tri')
     console = quiet()
     assert list(load_results(path, console)) == ["a"]

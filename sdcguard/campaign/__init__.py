@@ -1,0 +1,329 @@
+"""``sdcguard campaign``: systematic fault injection into real training, with and without ABFT.
+
+A campaign trains a reference model (the decoder GPT or the encoder), and for every cell of a
+grid (site x kind x trial) injects one fault at a fixed step after a short clean warm-up, trains
+``steps_after`` more steps, and compares with the clean run on the same batches. Sites are the
+attention sites (forward and backward GEMMs, softmax) and any module output (``path:output``,
+forward). Faults are data (a :class:`FaultPlan` of fixed capacity), so each (protection, dtype)
+configuration compiles its step once.
+
+Every trial starts from the same warmed-up state (the warm-up is clean and deterministic, so it
+is computed once per configuration) and is independent of every other trial: results are
+appended to a JSON-lines file, one flushed line per trial, and an interrupted campaign resumes
+from it without redoing or losing trials.
+
+Reports (markdown + JSON + PNG): error propagation inside one attention block (unprotected),
+harm (unprotected), detection/correction per site x kind (ABFT), bit flips per bit, module
+outputs, false positives over many clean checked GEMMs per dtype, and recovery cost (quoted from
+``runs/bench_recovery.json``).
+
+Modules: :mod:`~sdcguard.campaign.config` (the configuration), :mod:`~.trials` (compiled steps,
+trials, the results file), :mod:`~.studies` (propagation, false positives), :mod:`~.report`
+(summary, markdown, figures); this module runs a campaign and holds its command line.
+
+Example:
+  >>> result = run_campaign(CampaignConfig(model_kind="encoder", out=Path("runs/enc")))
+  >>> result["summary"]["abft"]["detection_rate"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from sdcguard.campaign.config import (
+    CLASSES,
+    DEFAULT_KINDS,
+    DTYPES,
+    EXPONENT_BITS,
+    FORMAT_VERSION,
+    OUTPUT_GROUPS,
+    PROTECTIONS,
+    RESULTS_FILE,
+    CampaignConfig,
+    CampaignFileError,
+)
+from sdcguard.campaign.report import _print, markdown, plot, summarize
+from sdcguard.campaign.studies import (
+    DOWNSTREAM,
+    PROPAGATION_TENSORS,
+    false_positives,
+    pattern,
+    propagation,
+)
+from sdcguard.campaign.trials import (
+    _runner,
+    append_result,
+    classify,
+    load_results,
+    make_fault,
+    make_step,
+    trial_key,
+)
+from sdcguard.models import GPTConfig
+from sdcguard.sites import FAULT_KINDS
+from sdcguard.training import MODEL_KINDS
+
+__all__ = [
+    "CLASSES",
+    "DEFAULT_KINDS",
+    "DOWNSTREAM",
+    "DTYPES",
+    "EXPONENT_BITS",
+    "OUTPUT_GROUPS",
+    "PROPAGATION_TENSORS",
+    "PROTECTIONS",
+    "RESULTS_FILE",
+    "CampaignConfig",
+    "CampaignFileError",
+    "append_result",
+    "classify",
+    "config_from_args",
+    "false_positives",
+    "grid",
+    "load_results",
+    "make_fault",
+    "make_step",
+    "markdown",
+    "pattern",
+    "plot",
+    "propagation",
+    "register",
+    "run_campaign",
+    "summarize",
+    "trial_key",
+]
+
+# --- The campaign -------------------------------------------------------------------------------
+
+
+def grid(config: CampaignConfig) -> Iterator[tuple[str, str, str, int]]:
+    """Every trial of the campaign: (protection, site, kind, trial).
+
+    Raises:
+      ValueError: a site that the model does not have (see :meth:`CampaignConfig.site_list`).
+    """
+    for prot in config.protections:
+        for site in config.site_list():
+            for kind in config.kinds:
+                for trial in range(config.trials):
+                    yield prot, site, kind, trial
+
+
+def run_campaign(
+    config: CampaignConfig,
+    console: Console | None = None,
+    *,
+    max_trials: int | None = None,
+    command: str = "",
+    recovery_file: Path = Path("runs/bench_recovery.json"),
+) -> dict[str, Any]:
+    """Runs (or resumes) the campaign and writes its outputs into ``config.out``.
+
+    Args:
+      config: the campaign.
+      console: where progress and messages go.
+      max_trials: stop after running this many new trials (to split a campaign, or to test
+        resumption); the reports then cover the trials finished so far.
+      command: the command line, quoted in the report.
+      recovery_file: the recovery benchmark's JSON, quoted in the report.
+
+    Returns:
+      The result dict also written to ``campaign.json``.
+    """
+    console = console or Console()
+    t_start = time.perf_counter()
+    config.site_list()  # unknown sites fail here, before anything is written
+    config.out.mkdir(parents=True, exist_ok=True)
+    path = config.out / RESULTS_FILE
+    done = load_results(path, console)
+    todo = [
+        t for t in grid(config) if trial_key(config.trial_hash(t[0]), t[1], t[2], t[3]) not in done
+    ]
+    total = sum(1 for _ in grid(config))
+    if done:
+        console.print(f"resuming: {total - len(todo)} of {total} trials already in {path}")
+    if max_trials is not None:
+        todo = todo[:max_trials]
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as progress, open(path, "a") as f:
+        task = progress.add_task("trials", total=total, completed=total - len(todo))
+        runner = None
+        for prot, site, kind, trial in todo:
+            if runner is None or runner.protection != prot:
+                progress.update(task, description=f"compiling {prot}")
+                runner = _runner(config, prot)
+            progress.update(task, description=f"{prot:10s} {kind:8s}")
+            rec = runner.trial(site, kind, trial)
+            append_result(f, rec)
+            done[rec["key"]] = rec
+            progress.advance(task)
+        prop, fps = None, []
+        if max_trials is None:
+            if config.propagation_trials:
+                progress.update(task, description="propagation")
+                prop = propagation(config)
+            for dt in config.fp_dtypes if config.fp_steps else ():
+                progress.update(task, description=f"false positives {dt}")
+                fps.append(false_positives(config, dt, config.fp_steps))
+    hashes = {config.trial_hash(p) for p in config.protections}
+    records = [r for r in done.values() if r["config_hash"] in hashes]
+    result = {
+        "version": FORMAT_VERSION,
+        "config": {**_jsonable(config), "model": dataclasses.asdict(config.model_config())},
+        "bits": list(config.bits()),
+        "command": command or "sdcguard.campaign.run_campaign(...)",
+        "trials_total": total,
+        "trials_done": len(records),
+        "summary": summarize(records),
+        "propagation": prop,
+        "false_positives": fps,
+        "recovery_file": str(recovery_file),
+        "seconds": time.perf_counter() - t_start,
+        "environment": {"jax": jax.__version__, "backend": jax.default_backend()},
+    }
+    (config.out / "campaign.json").write_text(json.dumps(result, indent=1))
+    (config.out / "summary.md").write_text(markdown(result))
+    result["figures"] = [str(p) for p in plot(result, config.out)]
+    return result
+
+
+def _jsonable(config: CampaignConfig) -> dict:
+    d = dataclasses.asdict(config)
+    d["out"] = str(config.out)
+    return d
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("campaign", help="fault-injection campaign with/without protection")
+    d = CampaignConfig()
+    p.add_argument("--out", type=Path, default=d.out)
+    p.add_argument(
+        "--model",
+        choices=MODEL_KINDS,
+        default=d.model_kind,
+        help="gpt: decoder, next-byte loss; encoder: bidirectional, masked-byte loss",
+    )
+    p.add_argument("--layers", type=int, default=d.model.num_layers)
+    p.add_argument("--d-model", type=int, default=d.model.d_model)
+    p.add_argument("--heads", type=int, default=d.model.num_heads)
+    p.add_argument("--seq-len", type=int, default=d.model.seq_len)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument(
+        "--sites",
+        nargs="*",
+        default=[],
+        help="site names or fnmatch patterns: attention sites (fwd and bwd, e.g. "
+        "'decoder/block_0/attn:scores.grad_lhs') and module outputs (forward, e.g. "
+        "'decoder/block_*/mlp:output'); default: every attention site",
+    )
+    p.add_argument(
+        "--output-sites",
+        action="store_true",
+        help="also inject at every block's and MLP's output ("
+        + ", ".join(OUTPUT_GROUPS).replace("{stack}", "decoder|encoder")
+        + ")",
+    )
+    p.add_argument("--kinds", nargs="+", default=list(d.kinds), choices=FAULT_KINDS)
+    p.add_argument(
+        "--bits",
+        type=int,
+        nargs=2,
+        metavar=("LO", "HI"),
+        default=None,
+        help="bitflip bit range (inclusive); default: the dtype's exponent bits",
+    )
+    p.add_argument("--value", type=float, default=d.value)
+    p.add_argument("--trials", type=int, default=d.trials)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype)
+    p.add_argument("--protection", nargs="+", choices=PROTECTIONS, default=list(d.protections))
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--steps-after", type=int, default=d.steps_after)
+    p.add_argument("--fp-steps", type=int, default=d.fp_steps)
+    p.add_argument("--fp-dtypes", nargs="*", choices=tuple(DTYPES), default=list(d.fp_dtypes))
+    p.add_argument("--propagation-trials", type=int, default=d.propagation_trials)
+    p.add_argument(
+        "--max-trials",
+        type=int,
+        default=None,
+        help="stop after this many new trials (resume later with the same command)",
+    )
+    p.set_defaults(handler=_main)
+
+
+def config_from_args(args: argparse.Namespace) -> CampaignConfig:
+    model = dataclasses.replace(
+        GPTConfig(),
+        num_layers=args.layers,
+        d_model=args.d_model,
+        num_heads=args.heads,
+        seq_len=args.seq_len,
+    )
+    return CampaignConfig(
+        model=model,
+        model_kind=args.model,
+        batch_size=args.batch_size,
+        sites=tuple(args.sites),
+        include_outputs=args.output_sites,
+        kinds=tuple(args.kinds),
+        bit_range=tuple(args.bits) if args.bits else None,
+        value=args.value,
+        trials=args.trials,
+        seed=args.seed,
+        dtype=args.dtype,
+        protections=tuple(args.protection),
+        warmup=args.warmup,
+        steps_after=args.steps_after,
+        fp_steps=args.fp_steps,
+        fp_dtypes=tuple(args.fp_dtypes),
+        propagation_trials=args.propagation_trials,
+        out=args.out,
+    )
+
+
+def _main(args: argparse.Namespace) -> int:
+    import shlex
+    import sys
+
+    console = Console()
+    try:
+        config = config_from_args(args)
+        result = run_campaign(
+            config,
+            console,
+            max_trials=args.max_trials,
+            command=shlex.join(["sdcguard", *sys.argv[1:]]),
+        )
+    except (ValueError, CampaignFileError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        return 2
+    _print(result, console)
+    console.print(
+        f"wrote {config.out / 'summary.md'}, campaign.json, {RESULTS_FILE} and "
+        f"{len(result['figures'])} figures"
+    )
+    return 0

@@ -1,0 +1,202 @@
+"""The campaign's configuration: one frozen dataclass, parsed into by the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import hashlib
+import json
+from pathlib import Path
+
+from sdcguard.models import GPTConfig
+from sdcguard.sites import FAULT_KINDS, attention_site_names, is_output_site, split_site
+from sdcguard.training import MODEL_KINDS, STACK_NAMES, TrainConfig, model_output_sites
+
+PROTECTIONS = ("off", "abft", "abft+guard")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+# Exponent bits (counted from the least significant bit) of each dtype's bit pattern: the
+# "high-exponent" flips of the targets, and the default bit range of `bitflip`.
+EXPONENT_BITS = {"fp32": (23, 30), "bf16": (7, 14)}
+# The module outputs added by `include_outputs`: every block's and every MLP's output.
+OUTPUT_GROUPS = ("{stack}/block_*:output", "{stack}/block_*/mlp:output")
+DEFAULT_KINDS = ("inf", "-inf", "nan", "near_inf", "bitflip")
+CLASSES = ("harmless", "loss_spike", "non_trainable")
+RESULTS_FILE = "trials.jsonl"
+FORMAT_VERSION = 2  # 2: model kind, output sites, injected values
+
+
+class CampaignFileError(ValueError):
+    """The results file is corrupt beyond a partially written last line."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CampaignConfig:
+    """A fault-injection campaign on a reference model.
+
+    Attributes:
+      model: size of the model (its ``dtype`` is replaced by ``dtype`` below).
+      model_kind: ``gpt`` (decoder, next-byte prediction; sites ``decoder/block_{i}/...``) or
+        ``encoder`` (bidirectional, masked-byte prediction; sites ``encoder/block_{i}/...``).
+      batch_size: sequences per batch.
+      learning_rate: Adam learning rate.
+      sites: site names or fnmatch patterns to inject into: attention sites (forward and
+        backward, ``decoder/block_0/attn:scores.grad_lhs``) and module outputs
+        (``decoder/block_0/mlp:output``, forward only); empty means every attention site of
+        every layer. Each must name or match a site of the model.
+      include_outputs: also inject at every block's and every MLP's output
+        (:data:`OUTPUT_GROUPS`).
+      kinds: fault kinds (see :data:`sdcguard.sites.FAULT_KINDS`).
+      bit_range: inclusive ``(lo, hi)`` bits for ``bitflip``; None means the dtype's exponent
+        bits (the high-exponent flips that matter).
+      value: the value set by ``value`` faults and the factor of ``scale`` faults.
+      trials: trials per (site, kind) cell; each draws its element (and bit) from its seed.
+      seed: seed of parameters, data and trial draws.
+      dtype: computation dtype of the trials, ``fp32`` or ``bf16``.
+      protections: protection levels to run, each one configuration (one compilation):
+        ``off`` (injection points, no checks), ``abft``, ``abft+guard`` (ABFT and the Optax
+        update guard, fed the loss and ABFT's uncorrectable count).
+      warmup: clean steps before the fault (the fault fires at step ``warmup``).
+      steps_after: steps trained after the fault step.
+      spike_rel: relative loss excess over the clean run that counts as a loss spike.
+      fp_steps: clean protected steps per dtype of the false-positive measurement (0: skip).
+      fp_dtypes: dtypes of the false-positive measurement.
+      propagation_trials: faults per (forward site, kind) of the propagation study (0: skip).
+      out: output directory (results file, summary, figures).
+    """
+
+    model: GPTConfig = GPTConfig()
+    model_kind: str = "gpt"
+    batch_size: int = 8
+    learning_rate: float = 3e-3
+    sites: tuple[str, ...] = ()
+    include_outputs: bool = False
+    kinds: tuple[str, ...] = DEFAULT_KINDS
+    bit_range: tuple[int, int] | None = None
+    value: float = 1e4
+    trials: int = 2
+    seed: int = 0
+    dtype: str = "fp32"
+    protections: tuple[str, ...] = PROTECTIONS
+    warmup: int = 3
+    steps_after: int = 4
+    spike_rel: float = 0.05
+    fp_steps: int = 300
+    fp_dtypes: tuple[str, ...] = ("fp32", "bf16")
+    propagation_trials: int = 4
+    out: Path = Path("runs/campaign")
+
+    def __post_init__(self):
+        for name in ("sites", "kinds", "protections", "fp_dtypes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "out", Path(self.out))
+        if self.bit_range is not None:
+            lo, hi = (int(b) for b in self.bit_range)
+            if not 0 <= lo <= hi < 64:
+                raise ValueError(f"bit_range must satisfy 0 <= lo <= hi < 64, got {lo, hi}")
+            object.__setattr__(self, "bit_range", (lo, hi))
+        if self.model_kind not in MODEL_KINDS:
+            raise ValueError(
+                f"model_kind must be one of {list(MODEL_KINDS)}, got {self.model_kind!r}"
+            )
+        for site in self.sites:
+            name = split_site(site)[1]
+            if name.startswith("output") and ".grad" in name:
+                raise ValueError(
+                    f"{site!r}: module-output sites take forward faults only; backward faults "
+                    "exist at the attention GEMM sites (e.g. 'decoder/block_0/attn:scores."
+                    "grad_lhs')"
+                )
+        bad = set(self.kinds) - set(FAULT_KINDS)
+        if bad or not self.kinds:
+            raise ValueError(f"unknown fault kinds {sorted(bad)}; valid: {list(FAULT_KINDS)}")
+        bad = set(self.protections) - set(PROTECTIONS)
+        if bad or not self.protections:
+            raise ValueError(f"unknown protections {sorted(bad)}; valid: {list(PROTECTIONS)}")
+        for d in (self.dtype, *self.fp_dtypes):
+            if d not in DTYPES:
+                raise ValueError(f"dtype must be one of {list(DTYPES)}, got {d!r}")
+        for name in ("trials", "steps_after", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "fp_steps", "propagation_trials"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.spike_rel > 0:
+            raise ValueError(f"spike_rel must be > 0, got {self.spike_rel}")
+
+    def model_config(self, dtype: str | None = None) -> GPTConfig:
+        return dataclasses.replace(self.model, dtype=DTYPES[dtype or self.dtype])
+
+    @property
+    def stack_name(self) -> str:
+        return STACK_NAMES[self.model_kind]
+
+    def valid_sites(self) -> list[str]:
+        """Every site of the model: attention sites (fwd and bwd), then module outputs."""
+        return [*self.attention_sites(), *_output_sites(self.model, self.model_kind)]
+
+    def attention_sites(self) -> list[str]:
+        return [
+            s
+            for i in range(self.model.num_layers)
+            for s in attention_site_names(f"{self.stack_name}/block_{i}/attn")
+        ]
+
+    def site_list(self) -> list[str]:
+        """The sites of the grid, in order, each once.
+
+        Raises:
+          ValueError: a name or pattern that is no site of the model (the valid ones listed).
+        """
+        return list(self._sites)
+
+    @functools.cached_property
+    def _sites(self) -> tuple[str, ...]:
+        patterns = list(self.sites) or ([] if self.include_outputs else self.attention_sites())
+        if self.include_outputs:
+            patterns += [g.format(stack=self.stack_name) for g in OUTPUT_GROUPS]
+        valid = self.valid_sites()
+        out: list[str] = []
+        for pat in patterns:
+            hits = [s for s in valid if fnmatch.fnmatchcase(s, pat)]
+            if not hits:
+                listing = "\n  ".join(valid)
+                raise ValueError(
+                    f"site {pat!r} is no site of the {self.model_kind} model "
+                    f"({self.model.num_layers} layers); valid sites:\n  {listing}"
+                )
+            out += [s for s in hits if s not in out]
+        return tuple(out)
+
+    def output_sites(self) -> tuple[str, ...]:
+        """The module-output sites of the grid (armed in the compiled step)."""
+        return tuple(s for s in self.site_list() if is_output_site(s))
+
+    def bits(self) -> tuple[int, int]:
+        return self.bit_range or EXPONENT_BITS[self.dtype]
+
+    def trial_hash(self, protection: str) -> str:
+        """Hash of everything that determines a trial's outcome (not the grid's extent)."""
+        key = {
+            "version": FORMAT_VERSION,
+            "model": dataclasses.asdict(self.model_config()),
+            "model_kind": self.model_kind,
+            "output_sites": sorted(self.output_sites()),
+            "batch_size": self.batch_size,
+            "learning_rate": self.learning_rate,
+            "bits": self.bits(),
+            "value": self.value,
+            "seed": self.seed,
+            "protection": protection,
+            "warmup": self.warmup,
+            "steps_after": self.steps_after,
+            "spike_rel": self.spike_rel,
+        }
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def _output_sites(model: GPTConfig, model_kind: str) -> tuple[str, ...]:
+    """The module-output sites of a model (abstract evaluation, cached)."""
+    return tuple(model_output_sites(TrainConfig(model=model, model_kind=model_kind)))
