@@ -179,9 +179,13 @@ def protected_attention(
     depth = query.shape[-1]
     query = query / jnp.sqrt(depth).astype(dtype)
     # Grouped heads: [.., q, H, d] -> [.., q, Hkv, G, d]; head h = kv_head * G + group.
-    q5 = query.reshape(*query.shape[:-2], kv_heads, groups, depth)
-    scores = recorder.einsum("scores", "...qhgd,...khd->...hgqk", q5, key, precision=precision)
-    scores = scores.reshape(*scores.shape[:-4], heads, *scores.shape[-2:])
+    if groups == 1:
+        # No size-1 group axis: it would make XLA transpose (copy) the scores on every call.
+        scores = recorder.einsum("scores", "...qhd,...khd->...hqk", query, key, precision=precision)
+    else:
+        q5 = query.reshape(*query.shape[:-2], kv_heads, groups, depth)
+        scores = recorder.einsum("scores", "...qhgd,...khd->...hgqk", q5, key, precision=precision)
+        scores = scores.reshape(*scores.shape[:-4], heads, *scores.shape[-2:])
     if bias is not None:
         scores = scores + bias
     if mask is not None:
@@ -208,6 +212,9 @@ def protected_attention(
         keep = jax.random.bernoulli(dropout_rng, keep_prob, dropout_shape)
         probs = probs * (keep.astype(probs.dtype) / jnp.asarray(keep_prob, dtype=probs.dtype))
 
+    if groups == 1:
+        spec = "...hqk,...khd->...qhd"
+        return recorder.einsum("context", spec, probs, value, precision=precision)
     p5 = probs.reshape(*probs.shape[:-3], kv_heads, groups, *probs.shape[-2:])
     context = recorder.einsum("context", "...hgqk,...khd->...qhgd", p5, value, precision=precision)
     return context.reshape(*context.shape[:-3], heads, context.shape[-1])
