@@ -14,13 +14,14 @@ from sdcguard.models import GPTConfig
 
 SCORES = "decoder/block_0/attn:scores"
 BACKWARD = "decoder/block_0/attn:context.grad_lhs"
+MLP_OUT = "decoder/block_0/mlp:output"  # a module output: outside what ABFT checks
 
 
 def tiny(out, **overrides) -> CampaignConfig:
     base = dict(
         model=GPTConfig(num_layers=1, d_model=32, num_heads=4, seq_len=16),
         batch_size=2,
-        sites=(SCORES, BACKWARD),
+        sites=(SCORES, BACKWARD, MLP_OUT),
         kinds=("nan", "inf", "scale"),
         value=1.0,  # scale by 1.0: a fault that changes nothing, the known-harmless control
         trials=2,
@@ -49,7 +50,7 @@ def full(tmp_path_factory):
 
 def test_tiny_campaign_writes_every_trial_and_report(full):
     config, result, records = full
-    n = len(config.protections) * 2 * 3 * config.trials  # protections x sites x kinds x trials
+    n = len(config.protections) * 3 * 3 * config.trials  # protections x sites x kinds x trials
     assert len(records) == n == result["trials_done"] == result["trials_total"]
     assert len({r["key"] for r in records}) == n
     for field in (
@@ -69,7 +70,9 @@ def test_tiny_campaign_writes_every_trial_and_report(full):
         assert all(field in r for r in records), field
     saved = json.loads((config.out / "campaign.json").read_text())
     assert set(saved["summary"]) == {"off", "abft"}
-    assert saved["summary"]["off"]["trials"] == n // 2
+    # The main rates cover the attention sites (what ABFT protects); outputs are apart.
+    assert saved["summary"]["off"]["trials"] == n // 2 * 2 // 3
+    assert saved["summary"]["off"]["output_sites"]["trials"] == n // 2 // 3
     assert saved["false_positives"][0]["alarms"] == 0
     assert saved["false_positives"][0]["checked_gemms"] == 3 * 18  # 3 steps x 1 layer x 18
     # inf/nan in scores: one bad probs row; scale by 1.0: no change
@@ -92,12 +95,37 @@ def test_known_harmful_and_harmless_faults_are_classified(full):
 
 def test_abft_detects_and_corrects_every_inf_and_nan(full):
     _, result, records = full
-    hits = [r for r in records if r["protection"] == "abft" and r["kind"] in ("inf", "nan")]
+    hits = [
+        r
+        for r in records
+        if r["protection"] == "abft" and r["kind"] in ("inf", "nan") and r["site"] != MLP_OUT
+    ]
     assert len(hits) == 2 * 2 * 2
     assert all(r["detected"] and r["corrected"] and not r["uncorrectable"] for r in hits)
     assert all(r["class"] == "harmless" for r in hits)
     per_kind = result["summary"]["abft"]["per_kind"]
     assert per_kind["inf"]["detected"] == per_kind["nan"]["corrected"] == 1.0
+
+
+def test_output_site_fault_is_harmful_and_abft_does_not_claim_it(full):
+    config, result, records = full
+    out = [r for r in records if r["site"] == MLP_OUT and r["kind"] == "nan"]
+    off = [r for r in out if r["protection"] == "off"]
+    abft = [r for r in out if r["protection"] == "abft"]
+    assert len(off) == len(abft) == config.trials
+    assert all(r["site_type"] == "output" and r["direction"] == "forward" for r in out)
+    assert all(r["class"] == "non_trainable" and r["new_value"] == "nan" for r in off)
+    # ABFT checks attention GEMMs: it never claims a detection at an MLP output, and its
+    # alarms downstream (the NaN reaches the attention backward GEMMs) do not undo the harm.
+    assert not any(r["detected"] or r["corrected"] for r in abft)
+    assert all(r["class"] == "non_trainable" for r in abft)
+    summary = result["summary"]["abft"]
+    assert summary["output_sites"]["detected_at_site"] == 0.0
+    assert summary["per_kind"]["nan"]["detected"] == 1.0  # attention sites only
+    assert all(MLP_OUT not in m["key"] for m in summary["missed"])
+    md = (config.out / "summary.md").read_text()
+    assert "## 3c. Module-output sites" in md
+    assert f"{MLP_OUT}|nan: detected" not in md  # not listed as an ABFT miss
 
 
 def test_resume_neither_repeats_nor_loses_trials(full, tmp_path):
@@ -173,7 +201,7 @@ def test_cli_parses_into_config(tmp_path):
 def test_abft_plus_guard_runs_and_keeps_training_clean(tmp_path):
     config = tiny(
         tmp_path,
-        sites=(SCORES,),
+        sites=(SCORES, MLP_OUT),  # the armed output site of `full`: its "off" step is reused
         kinds=("nan",),
         trials=1,
         protections=("off", "abft+guard"),
@@ -185,3 +213,12 @@ def test_abft_plus_guard_runs_and_keeps_training_clean(tmp_path):
     assert guard["detection_rate"] == guard["correction_rate"] == 1.0
     assert guard["classes"]["harmless"] == 1.0
     assert guard["detection_rate_harmful"] == 1.0 and guard["missed"] == []
+    lines = (tmp_path / "trials.jsonl").read_text().splitlines()
+    out = [r for r in map(json.loads, lines) if r["site"] == MLP_OUT]
+    # A NaN at an MLP output: ABFT does not detect it there, but the guard refuses the step it
+    # poisons, so training goes on (the fault step's own loss is lost: a spike, not a failure).
+    by_prot = {r["protection"]: r for r in out}
+    assert by_prot["off"]["class"] == "non_trainable"
+    guarded = by_prot["abft+guard"]
+    assert not guarded["detected"] and guarded["class"] == "loss_spike"
+    assert guarded["nonfinite_loss"] and not guarded["nonfinite_params"]

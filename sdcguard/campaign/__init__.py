@@ -236,9 +236,9 @@ def register(subparsers) -> None:
         "--sites",
         nargs="*",
         default=[],
-        help="site names or fnmatch patterns: attention sites (fwd and bwd, e.g. "
-        "'decoder/block_0/attn:scores.grad_lhs') and module outputs (forward, e.g. "
-        "'decoder/block_*/mlp:output'); default: every attention site",
+        help="site names or patterns ('*' within one path component): attention sites "
+        "(fwd and bwd, e.g. 'decoder/block_0/attn:scores.grad_lhs') and module outputs "
+        "(forward, e.g. 'decoder/block_*/mlp:output'); default: every attention site",
     )
     p.add_argument(
         "--output-sites",

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import functools
 import hashlib
 import json
+import re
 from pathlib import Path
 
 from sdcguard.models import GPTConfig
@@ -40,12 +40,12 @@ class CampaignConfig:
         ``encoder`` (bidirectional, masked-byte prediction; sites ``encoder/block_{i}/...``).
       batch_size: sequences per batch.
       learning_rate: Adam learning rate.
-      sites: site names or fnmatch patterns to inject into: attention sites (forward and
-        backward, ``decoder/block_0/attn:scores.grad_lhs``) and module outputs
+      sites: site names or patterns (:func:`site_pattern`) to inject into: attention sites
+        (forward and backward, ``decoder/block_0/attn:scores.grad_lhs``) and module outputs
         (``decoder/block_0/mlp:output``, forward only); empty means every attention site of
         every layer. Each must name or match a site of the model.
       include_outputs: also inject at every block's and every MLP's output
-        (:data:`OUTPUT_GROUPS`).
+        (:data:`OUTPUT_GROUPS`), after the sites above.
       kinds: fault kinds (see :data:`sdcguard.sites.FAULT_KINDS`).
       bit_range: inclusive ``(lo, hi)`` bits for ``bitflip``; None means the dtype's exponent
         bits (the high-exponent flips that matter).
@@ -63,6 +63,13 @@ class CampaignConfig:
       fp_dtypes: dtypes of the false-positive measurement.
       propagation_trials: faults per (forward site, kind) of the propagation study (0: skip).
       out: output directory (results file, summary, figures).
+
+    Example:
+      >>> config = CampaignConfig(
+      ...     model_kind="encoder", sites=("encoder/block_*/attn:scores",),
+      ...     include_outputs=True, kinds=("nan", "bitflip"), dtype="bf16")
+      >>> config.site_list()[:3]
+      ['encoder/block_0/attn:scores', 'encoder/block_1/attn:scores', 'encoder/block_0:output']
     """
 
     model: GPTConfig = GPTConfig()
@@ -153,13 +160,13 @@ class CampaignConfig:
 
     @functools.cached_property
     def _sites(self) -> tuple[str, ...]:
-        patterns = list(self.sites) or ([] if self.include_outputs else self.attention_sites())
+        patterns = list(self.sites) or self.attention_sites()
         if self.include_outputs:
             patterns += [g.format(stack=self.stack_name) for g in OUTPUT_GROUPS]
         valid = self.valid_sites()
         out: list[str] = []
         for pat in patterns:
-            hits = [s for s in valid if fnmatch.fnmatchcase(s, pat)]
+            hits = [s for s in valid if site_pattern(pat).fullmatch(s)]
             if not hits:
                 listing = "\n  ".join(valid)
                 raise ValueError(
@@ -194,6 +201,15 @@ class CampaignConfig:
             "spike_rel": self.spike_rel,
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def site_pattern(pattern: str) -> re.Pattern:
+    """A site pattern as a regex: ``*`` matches within one path component (not ``/`` or ``:``),
+    ``?`` one such character; everything else is literal. ``decoder/block_*:output`` matches
+    the blocks' outputs, not ``decoder/block_0/mlp:output``."""
+    parts = ("[^/:]*" if c == "*" else "[^/:]" if c == "?" else re.escape(c) for c in pattern)
+    return re.compile("".join(parts))
 
 
 @functools.cache
