@@ -9,7 +9,7 @@ demand), ``models`` (reference workloads), ``sites``, ``training``.
 from sdcguard import abft, inject, linen, models, nnx, optim, recovery, replay, sites, training
 from sdcguard.abft import ABFTConfig, Counts, checked_dot_general, checked_einsum
 from sdcguard.attention import dot_product_attention, protected_attention
-from sdcguard.inject import Fault, FaultPlan, faults
+from sdcguard.inject import Fault, FaultPlan, faults, module_outputs
 from sdcguard.optim import (
     GuardConfig,
     GuardState,
@@ -81,6 +81,7 @@ __all__ = [
     "linen",
     "load_task",
     "models",
+    "module_outputs",
     "nnx",
     "open_trace",
     "optim",
