@@ -264,8 +264,13 @@ def apply(x: jax.Array, plan: FaultPlan | None, site: str) -> jax.Array:
     fires = fault_hits(plan, sid)
     log = _HIT_LOG.get()
     if log is not None:
-        jax.debug.callback(
-            functools.partial(log._record, site), fires, index, old, new, plan.current_step
+        # Only when a fault fires: a host callback at every site and step would serialise the
+        # step and slow it several-fold.
+        report = functools.partial(log._record, site)
+        jax.lax.cond(
+            jnp.any(fires),
+            lambda: jax.debug.callback(report, fires, index, old, new, plan.current_step),
+            lambda: None,
         )
     # Faults that do not fire are sent out of bounds and dropped, so they cannot race a firing
     # fault at the same index.
