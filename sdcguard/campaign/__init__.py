@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,6 +108,7 @@ __all__ = [
     "propagation",
     "register",
     "run_campaign",
+    "source_fingerprint",
     "summarize",
     "trial_key",
 ]
@@ -203,12 +206,46 @@ def run_campaign(
         "false_positives": fps,
         "recovery_file": str(recovery_file),
         "seconds": time.perf_counter() - t_start,
-        "environment": {"jax": jax.__version__, "backend": jax.default_backend()},
+        "environment": {
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            **source_fingerprint(),
+        },
     }
     (config.out / "campaign.json").write_text(json.dumps(result, indent=1))
     (config.out / "summary.md").write_text(markdown(result))
     result["figures"] = [str(p) for p in plot(result, config.out)]
     return result
+
+
+# The sources whose behaviour a campaign measures: results name the code that produced them.
+_MEASURED_SOURCES = ("abft.py", "attention.py", "linen.py", "inject.py", "training.py")
+
+
+def source_fingerprint() -> dict[str, Any]:
+    """The git commit of the package, whether its sources differ from it, and a SHA-256 per
+    measured source file (so results of an uncommitted tree are still identified)."""
+    root = Path(__file__).resolve().parent.parent
+    out: dict[str, Any] = {
+        "sources_sha256": {
+            name: hashlib.sha256((root / name).read_bytes()).hexdigest()[:16]
+            for name in _MEASURED_SOURCES
+        }
+    }
+    try:
+        git = ["git", "-C", str(root)]
+        head = subprocess.run(
+            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--", "."], capture_output=True, text=True, timeout=10
+        )
+        if head.returncode == 0:
+            out["git_commit"] = head.stdout.strip()
+            out["git_dirty"] = bool(dirty.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass  # not a git checkout: the file hashes still identify the code
+    return out
 
 
 def _jsonable(config: CampaignConfig) -> dict:

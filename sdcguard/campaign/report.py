@@ -196,8 +196,10 @@ def _per_bit_lines(summ: dict) -> list[str]:
         "",
         "Raw rates are over every bit-flip trial. *Harmful unprotected*: the same fault (site, "
         "element, bit) made the unprotected run non-trainable or spike its loss. *|Δ| > 1*: the "
-        "injected error |new - old| exceeded ATTNChecker's fixed threshold of 1. The two "
-        "conditional rates are reported beside the raw rate, never instead of it.",
+        "injected error |new - old| exceeded ATTNChecker's fixed threshold of 1 (conditioning "
+        "on sdcguard's own round-off tolerance would be circular: one corrupted element is "
+        "missed exactly when its error lies within that tolerance). The two conditional rates "
+        "are reported beside the raw rate, never instead of it.",
         "",
         "| protection | bit | trials | detected | corrected | harmful unprotected | detected "
         "among harmful | \\|Δ\\| > 1 | detected among \\|Δ\\| > 1 | median \\|Δ\\| |",
