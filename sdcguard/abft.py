@@ -280,14 +280,20 @@ class LineChecksums(NamedTuple):
     threshold: jax.Array  # the round-off bound of the deviation
 
 
-def _contract_with_line_sums(x, x_letters, other, other_letters, ct, summed_letters):
-    """``Σ_contracted x · (Σ_summed other)`` and ``Σ_contracted |x| · (Σ_summed |other|)``.
+def _contract_with_line_sums(
+    x, x_letters, other, other_letters, ct, summed_letters, *, x_nonnegative: bool = False
+):
+    """One side's checksum ``ref = Σ_contracted x · (Σ_summed other)`` and its magnitude.
 
-    The two checksum products of one side (``A(Be)`` and ``|A|(|B|e)`` for rows), computed as
-    elementwise products and reductions in ``x``'s own layout. A matrix-vector ``dot`` would
-    do the same arithmetic, but XLA on the CPU lowers some batched layouts of it to a naive
-    loop (measured 17x slower than the GEMM it checks), and the reduction form lets both
-    products share one read of ``x``.
+    For rows, ``x`` is A and ``other`` is B: ``ref = A(Be)``, and the magnitude bounds
+    ``|A|(|B|e)``, the quantity every rounding error of the line is proportional to. Both are
+    elementwise products and reductions in ``x``'s own layout: a matrix-vector ``dot`` does the
+    same arithmetic, but XLA on the CPU lowers some batched layouts of it to a naive loop
+    (measured 17x slower than the GEMM it checks).
+
+    The magnitude is exact (``x · |B|e``) when ``x`` is known to be non-negative (softmax
+    probabilities); otherwise it is the Cauchy-Schwarz bound ``‖x‖₂ ‖|B|e‖₂``, because a
+    reduction of squares is several times cheaper than one of absolute values on XLA:CPU.
 
     Returns:
       ``(ref, magnitude)``, float32, letters ``ct.without(summed_letters)``.
@@ -304,7 +310,13 @@ def _contract_with_line_sums(x, x_letters, other, other_letters, ct, summed_lett
     v, w = (jnp.transpose(t, perm).reshape(shape) for t in (v, w))
     contracted_axes = _axes(x_letters, ct.contracted)
     ref = jnp.sum(x * v, axis=contracted_axes)
-    magnitude = jnp.sum(jnp.abs(x) * w, axis=contracted_axes)
+    if x_nonnegative:
+        # On clean data x >= 0 and this is |x|·w exactly; a corrupted negative entry can only
+        # lower it, which tightens the threshold (more alarms, never fewer).
+        magnitude = jnp.sum(x * w, axis=contracted_axes)
+    else:
+        x_norm = jnp.sqrt(jnp.sum(x * x, axis=contracted_axes))
+        magnitude = x_norm * jnp.sqrt(jnp.sum(w * w, axis=contracted_axes))
     kept = "".join(c for c in x_letters if c not in ct.contracted)
     term = ct.without(summed_letters)
     perm = [kept.index(c) for c in term]
@@ -320,17 +332,21 @@ def line_checksums(
     *,
     safety: float = 1.0,
     precision=None,
+    lhs_nonnegative: bool = False,
 ) -> LineChecksums:
     """Encodes the ``side`` (``'row'`` or ``'col'``) checksums of ``c = einsum(a, b)``.
 
     Rows: ``ref = A(Be)`` against the row sums of C; columns: ``ref = (eᵀA)B`` against the
-    column sums. The threshold is γ times the line's ``|A||B|e`` magnitude, the quantity the
-    round-off bound of every term is proportional to.
+    column sums. The threshold is γ times a bound on the line's ``|A||B|e`` magnitude, the
+    quantity the round-off of every term is proportional to. ``lhs_nonnegative`` promises
+    ``a >= 0`` elementwise (see :func:`checked_einsum`).
     """
     ct = contraction
     if side == "row":
         summed_letters = ct.rhs_free
-        ref, magnitude = _contract_with_line_sums(a, ct.lhs, b, ct.rhs, ct, summed_letters)
+        ref, magnitude = _contract_with_line_sums(
+            a, ct.lhs, b, ct.rhs, ct, summed_letters, x_nonnegative=lhs_nonnegative
+        )
     else:
         summed_letters = ct.lhs_free
         ref, magnitude = _contract_with_line_sums(b, ct.rhs, a, ct.lhs, ct, summed_letters)
@@ -359,6 +375,7 @@ def check_contraction(
     *,
     config: ABFTConfig,
     precision=None,
+    lhs_nonnegative: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Verifies ``c == einsum(contraction, a, b)`` by checksums, locating and correcting errors.
 
@@ -368,6 +385,7 @@ def check_contraction(
       contraction: the parsed einsum.
       config: thresholds and whether to correct.
       precision: the precision of the GEMM (for the input-rounding term of the tolerance).
+      lhs_nonnegative: ``a >= 0`` elementwise on clean data (see :func:`checked_einsum`).
 
     Returns:
       ``(c_checked, counts)``: ``c`` with located errors corrected (unchanged when clean), and
@@ -376,7 +394,16 @@ def check_contraction(
     ct = contraction
     # Detection needs one side: an error in C changes the sum of its row. The column checksums
     # that locate it are encoded only when a row is flagged, so the clean path reads C once.
-    rows = line_checksums(c, a, b, ct, "row", safety=config.safety, precision=precision)
+    rows = line_checksums(
+        c,
+        a,
+        b,
+        ct,
+        "row",
+        safety=config.safety,
+        precision=precision,
+        lhs_nonnegative=lhs_nonnegative,
+    )
     row_ref = rows.ref
     bad_row = ~(rows.deviation <= rows.threshold)
     flagged_any = jnp.any(bad_row)
@@ -490,6 +517,7 @@ class _Static:
     config: ABFTConfig
     precision: object
     preferred_element_type: object
+    lhs_nonnegative: bool = False
 
 
 def _einsum(st: _Static, ct: Contraction, a, b):
@@ -502,7 +530,7 @@ def _einsum(st: _Static, ct: Contraction, a, b):
     )
 
 
-def _gemm(st: _Static, ct: Contraction, a, b, plan, site: str, check: bool):
+def _gemm(st: _Static, ct: Contraction, a, b, plan, site: str, check: bool, lhs_nonnegative: bool):
     if st.config.resolved_implementation() == "pallas":
         from sdcguard.pallas import matmul as pallas_matmul  # lazy: Pallas is a heavy import
 
@@ -521,18 +549,20 @@ def _gemm(st: _Static, ct: Contraction, a, b, plan, site: str, check: bool):
     c = inject.apply(c, plan, site)
     if not check:
         return c, zero_counts()
-    return check_contraction(c, a, b, ct, config=st.config, precision=st.precision)
+    return check_contraction(
+        c, a, b, ct, config=st.config, precision=st.precision, lhs_nonnegative=lhs_nonnegative
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _checked(st: _Static, a, b, plan, sink):
     del sink
-    return _gemm(st, st.contraction, a, b, plan, st.site, st.config.forward)
+    return _gemm(st, st.contraction, a, b, plan, st.site, st.config.forward, st.lhs_nonnegative)
 
 
 def _checked_fwd(st, a, b, plan, sink):
     del sink
-    out = _gemm(st, st.contraction, a, b, plan, st.site, st.config.forward)
+    out = _gemm(st, st.contraction, a, b, plan, st.site, st.config.forward, st.lhs_nonnegative)
     return out, (a, b, plan)
 
 
@@ -543,8 +573,11 @@ def _checked_bwd(st, residuals, cotangents):
     ct = st.contraction
     # The correction is an identity for autodiff: the gradients are those of the clean einsum,
     # and the two gradient GEMMs are checked (and injected into) like any other.
-    ga, counts_a = _gemm(st, ct.grad_lhs(), g, b, plan, st.site + ".grad_lhs", check)
-    gb, counts_b = _gemm(st, ct.grad_rhs(), a, g, plan, st.site + ".grad_rhs", check)
+    # dA = g·Bᵀ has g on the left; dB = Aᵀ·g keeps A on the left, non-negative or not.
+    ga, counts_a = _gemm(st, ct.grad_lhs(), g, b, plan, st.site + ".grad_lhs", check, False)
+    gb, counts_b = _gemm(
+        st, ct.grad_rhs(), a, g, plan, st.site + ".grad_rhs", check, st.lhs_nonnegative
+    )
     sink_cotangent = jnp.stack([counts_a, counts_b]).astype(jnp.float32)
     return ga.astype(a.dtype), gb.astype(b.dtype), None, sink_cotangent
 
@@ -572,6 +605,7 @@ def checked_einsum(
     sink: jax.Array | None = None,
     precision=None,
     preferred_element_type=None,
+    lhs_nonnegative: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``jnp.einsum(spec, a, b)`` protected by checksums, forward and backward.
 
@@ -584,6 +618,9 @@ def checked_einsum(
       sink: float32 ``[2, 3]`` whose gradient receives the backward counters
         (see :func:`zero_sink`); None when they are not needed.
       precision, preferred_element_type: as for ``jnp.einsum``.
+      lhs_nonnegative: promise that ``a >= 0`` elementwise when it is not corrupted (softmax
+        probabilities, ReLU outputs). The checksum magnitude of ``a``'s lines is then exact
+        and costs no extra pass; a corrupted negative entry only tightens the threshold.
 
     Returns:
       ``(c, counts)``: the checked (and corrected) result and int32 ``[detected, corrected,
@@ -595,7 +632,7 @@ def checked_einsum(
     ct = Contraction.parse(spec, a.ndim, b.ndim)
     if plan is None:
         plan = inject.active_plan(like=a)
-    st = _Static(ct, site, config, precision, preferred_element_type)
+    st = _Static(ct, site, config, precision, preferred_element_type, lhs_nonnegative)
     return _checked(st, a, b, plan, zero_sink() if sink is None else sink)
 
 

@@ -214,9 +214,13 @@ def protected_attention(
 
     if groups == 1:
         spec = "...hqk,...khd->...qhd"
-        return recorder.einsum("context", spec, probs, value, precision=precision)
+        return recorder.einsum(
+            "context", spec, probs, value, precision=precision, lhs_nonnegative=True
+        )
     p5 = probs.reshape(*probs.shape[:-3], kv_heads, groups, *probs.shape[-2:])
-    context = recorder.einsum("context", "...hgqk,...khd->...qhgd", p5, value, precision=precision)
+    context = recorder.einsum(
+        "context", "...hgqk,...khd->...qhgd", p5, value, precision=precision, lhs_nonnegative=True
+    )
     return context.reshape(*context.shape[:-3], heads, context.shape[-1])
 
 
