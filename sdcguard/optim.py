@@ -229,14 +229,25 @@ def _flat(tree) -> jax.Array:
     return jnp.concatenate([*leaves, jnp.zeros((0,), jnp.float32)])
 
 
+# Below this many elements (grads + updates) the guard's cost is its number of kernels, and one
+# reduction over the flattened trees is cheapest; above it, the copies that flattening makes.
+_FLATTEN_BELOW = 1 << 20
+
+
 def _norm_and_finite(grads, proposed) -> tuple[jax.Array, jax.Array]:
     """Global gradient norm, and whether every proposed update is finite.
 
-    Both come from one reduction over the flattened trees: on small models the cost of the
-    guard is the number of kernels, not the bytes (a reduction per leaf doubled it).
+    On small trees both come from one reduction over the flattened trees: there the cost of
+    the guard is the number of kernels, not the bytes (a reduction per leaf doubled it). On
+    big trees each leaf is reduced where it lies, without the copies flattening makes.
     ``u * 0`` is 0 for finite ``u`` and NaN otherwise, so its sum is finite exactly when
     every update is, without the overflow that summing the updates themselves could hit.
     """
+    leaves = jax.tree.leaves(grads) + jax.tree.leaves(proposed)
+    if sum(x.size for x in leaves) > _FLATTEN_BELOW:
+        sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(grads))
+        nonfinite = sum(jnp.sum(x.astype(jnp.float32) * 0.0) for x in jax.tree.leaves(proposed))
+        return jnp.sqrt(sq), jnp.isfinite(nonfinite)
     g, u = _flat(grads), _flat(proposed)
     if g.shape == u.shape:
         sums = jnp.sum(jnp.stack([jnp.square(g), u * 0.0]), axis=1)

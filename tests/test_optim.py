@@ -162,6 +162,22 @@ def test_nonfinite_update_from_finite_gradients_is_refused():
     assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
 
 
+@pytest.mark.parametrize("size", [1_000, 600_000], ids=["flattened", "per_leaf"])
+def test_norm_and_finiteness_agree_on_small_and_big_trees(size):
+    """Small trees are reduced flattened, big ones leaf by leaf: both give the same verdicts."""
+    params = {"a": jnp.ones((size,)), "b": jnp.full((size // 2,), 2.0)}
+    tx = refuse_corrupted(optax.sgd(0.1))
+    grads = jax.tree.map(lambda p: 0.5 * p, params)
+    updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    np.testing.assert_allclose(float(state.grad_norm), float(optax.tree.norm(grads)), rtol=1e-5)
+    assert int(state.reason) == 0
+    for bad in (jnp.nan, jnp.inf):
+        grads_bad = {**grads, "b": grads["b"].at[size // 3].set(bad)}
+        updates, state = jax.jit(tx.update)(grads_bad, tx.init(params), params)
+        assert reason_names(state.reason) == ("nonfinite",)
+        assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+
+
 @pytest.mark.parametrize(
     "disabled, corrupt",
     [
