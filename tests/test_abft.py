@@ -15,6 +15,7 @@ from sdcguard.abft import (
     checked_dot_general,
     checked_einsum,
     dot_general_to_einsum,
+    line_checksums,
     roundoff_gamma,
 )
 from sdcguard.inject import Fault, FaultPlan
@@ -211,3 +212,54 @@ def test_threshold_is_above_measured_roundoff():
         gamma = roundoff_gamma(out_dtype=jnp.float32, contraction=256, line=64)
         ratios.append(float(jnp.min(gamma * bound / jnp.maximum(dev, 1e-30))))
     assert min(ratios) > 1.0
+
+
+# --- A non-negative left operand (softmax probabilities): exact magnitude, same guarantees. ---
+
+PV_SPEC = "bhqk,bhkd->bhqd"  # the context GEMM
+
+
+def probs_and_values(dtype, seed=0):
+    ks, kv = jax.random.split(jax.random.key(seed))
+    probs = jax.nn.softmax(4.0 * jax.random.normal(ks, (2, 3, 32, 48)), axis=-1).astype(dtype)
+    return probs, jax.random.normal(kv, (2, 3, 48, 16)).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nonnegative_lhs_threshold_is_tighter_and_never_alarms_when_clean(dtype):
+    ct = Contraction.parse(PV_SPEC, 4, 4)
+    for seed in range(4):
+        p, v = probs_and_values(dtype, seed)
+        c = jnp.einsum(PV_SPEC, p, v)
+        exact = line_checksums(c, p, v, ct, "row", lhs_nonnegative=True)
+        general = line_checksums(c, p, v, ct, "row")
+        assert bool(jnp.all(exact.deviation <= exact.threshold))
+        assert bool(jnp.all(exact.threshold <= general.threshold * (1 + 1e-6)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind, value", [("value", -3.0), ("nan", 0.0), ("bitflip", 0.0)])
+def test_nonnegative_lhs_still_detects_and_corrects(dtype, kind, value):
+    """Output faults (a negative, a NaN, a high-exponent flip) are caught and corrected with
+    the exact magnitude as with the general bound."""
+    p, v = probs_and_values(dtype)
+    clean = jnp.einsum(PV_SPEC, p, v)
+    fault = Fault(site="t:context", kind=kind, index=301, bit=HIGH_BIT[dtype], value=value)
+    out, counts = jax.jit(
+        lambda p, v, plan: checked_einsum(
+            PV_SPEC, p, v, site="t:context", plan=plan, lhs_nonnegative=True
+        )
+    )(p, v, FaultPlan.from_faults([fault]))
+    np.testing.assert_array_equal(counts, [1, 1, 0])
+    assert_close(out, clean, dtype)
+
+
+def test_a_negative_entry_breaking_the_promise_only_tightens_the_threshold():
+    p, v = probs_and_values(jnp.float32)
+    bad = p.at[0, 0, 0, 5].set(-0.5)
+    ct = Contraction.parse(PV_SPEC, 4, 4)
+    c = jnp.einsum(PV_SPEC, bad, v)
+    broken = line_checksums(c, bad, v, ct, "row", lhs_nonnegative=True)
+    honest = line_checksums(c, jnp.abs(bad), v, ct, "row", lhs_nonnegative=True)
+    assert bool(jnp.all(broken.threshold <= honest.threshold))
+    assert float(broken.threshold[0, 0, 0]) < float(honest.threshold[0, 0, 0])
