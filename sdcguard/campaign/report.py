@@ -431,6 +431,8 @@ def _print(result: dict, console: Console) -> None:
     ):
         table.add_column(col, justify="right")
     for prot, s in result["summary"].items():
+        if not s["trials"]:
+            continue  # only module-output trials: printed below
         table.add_row(
             prot,
             str(s["trials"]),
@@ -441,7 +443,16 @@ def _print(result: dict, console: Console) -> None:
             _pct(s["correction_rate"]),
             str(len(s["uncorrectable"])),
         )
-    console.print(table)
+    if table.row_count:
+        console.print(table)
+    for prot, s in result["summary"].items():
+        if "output_sites" in s:
+            o = s["output_sites"]
+            console.print(
+                f"module-output sites, {prot}: {o['trials']} trials, detected at site "
+                f"{_pct(o['detected_at_site'])}, ABFT alarm anywhere {_pct(o['alarm_anywhere'])}, "
+                f"non-trainable {_pct(o['classes']['non_trainable'])}"
+            )
     for fp in result["false_positives"]:
         console.print(
             f"false positives {fp['dtype']}: {fp['alarms']} alarms in "
