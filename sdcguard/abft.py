@@ -353,32 +353,18 @@ def line_checksums(
     dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
     k = int(np.prod([dims[x] for x in ct.contracted], dtype=np.int64))
     line = int(np.prod([dims[x] for x in summed_letters], dtype=np.int64))
-    c32 = c.astype(jnp.float32)
-    summed_axes = _axes(ct.out, summed_letters)
-    summed = jnp.sum(c32, axis=summed_axes)
-    u_out = unit_roundoff(c.dtype)
-    low_precision_out = u_out > unit_roundoff(jnp.float32)
+    summed = jnp.sum(c.astype(jnp.float32), axis=_axes(ct.out, summed_letters))
     gamma = roundoff_gamma(
-        # A low-precision C's own rounding is bounded below, by the line it actually has.
-        out_dtype=jnp.float32 if low_precision_out else c.dtype,
+        out_dtype=c.dtype,
         contraction=k,
         line=line,
         input_unit=input_rounding(a.dtype, precision),
         safety=safety,
     )
-    threshold = gamma * magnitude
-    if low_precision_out:
-        # Rounding C to bf16/fp16 moves each element by at most u_out of itself, so the line
-        # moves by at most u_out·Σ|c|: often far below u_out·|A||B|e, which is loose where terms
-        # cancel. A fault cannot hide behind it: it raises Σ|c| by u_out·|Δ|, the deviation by |Δ|.
-        # One more reduction over C, for low-precision outputs only.
-        rounding = (u_out / (1 - u_out)) * jnp.sum(jnp.abs(c32), axis=summed_axes)
-        # An INF in the line would make this bound INF too and hide itself.
-        threshold += safety * jnp.where(jnp.isfinite(rounding), rounding, 0.0)
     # Gradual underflow: an element rounded into the subnormal range errs by up to half the
     # subnormal spacing, whatever its magnitude; a line of L elements by L times that.
     tiny = float(jnp.finfo(c.dtype).smallest_subnormal)
-    return LineChecksums(ref, jnp.abs(summed - ref), threshold + line * tiny)
+    return LineChecksums(ref, jnp.abs(summed - ref), gamma * magnitude + line * tiny)
 
 
 def check_contraction(
