@@ -353,18 +353,32 @@ def line_checksums(
     dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
     k = int(np.prod([dims[x] for x in ct.contracted], dtype=np.int64))
     line = int(np.prod([dims[x] for x in summed_letters], dtype=np.int64))
-    summed = jnp.sum(c.astype(jnp.float32), axis=_axes(ct.out, summed_letters))
+    c32 = c.astype(jnp.float32)
+    summed_axes = _axes(ct.out, summed_letters)
+    summed = jnp.sum(c32, axis=summed_axes)
+    u_out = unit_roundoff(c.dtype)
+    low_precision_out = u_out > unit_roundoff(jnp.float32)
     gamma = roundoff_gamma(
-        out_dtype=c.dtype,
+        # A low-precision C's own rounding is bounded below, by the line it actually has.
+        out_dtype=jnp.float32 if low_precision_out else c.dtype,
         contraction=k,
         line=line,
         input_unit=input_rounding(a.dtype, precision),
         safety=safety,
     )
+    threshold = gamma * magnitude
+    if low_precision_out:
+        # Rounding C to bf16/fp16 moves each element by at most u_out of itself, so the line
+        # moves by at most u_out·Σ|c|: often far below u_out·|A||B|e, which is loose where terms
+        # cancel. A fault cannot hide behind it: it raises Σ|c| by u_out·|Δ|, the deviation by |Δ|.
+        # One more reduction over C, for low-precision outputs only.
+        rounding = (u_out / (1 - u_out)) * jnp.sum(jnp.abs(c32), axis=summed_axes)
+        # An INF in the line would make this bound INF too and hide itself.
+        threshold += safety * jnp.where(jnp.isfinite(rounding), rounding, 0.0)
     # Gradual underflow: an element rounded into the subnormal range errs by up to half the
     # subnormal spacing, whatever its magnitude; a line of L elements by L times that.
     tiny = float(jnp.finfo(c.dtype).smallest_subnormal)
-    return LineChecksums(ref, jnp.abs(summed - ref), gamma * magnitude + line * tiny)
+    return LineChecksums(ref, jnp.abs(summed - ref), threshold + line * tiny)
 
 
 def check_contraction(
@@ -530,6 +544,19 @@ def _einsum(st: _Static, ct: Contraction, a, b):
     )
 
 
+def _as_stored(x: jax.Array) -> jax.Array:
+    """``x`` rounded to its own dtype, even where XLA would keep it in float32.
+
+    XLA may keep a bf16/fp16 intermediate in float32 (``xla_allow_excess_precision``), and then
+    the GEMM and the checksums can read different values of one operand. Rounding it once, here,
+    gives both the same operand (a no-op when XLA already rounded it).
+    """
+    info = jnp.finfo(x.dtype)
+    if info.bits >= 32:
+        return x
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 def _gemm(st: _Static, ct: Contraction, a, b, plan, site: str, check: bool, lhs_nonnegative: bool):
     if st.config.resolved_implementation() == "pallas":
         from sdcguard.pallas import matmul as pallas_matmul  # lazy: Pallas is a heavy import
@@ -545,6 +572,7 @@ def _gemm(st: _Static, ct: Contraction, a, b, plan, site: str, check: bool, lhs_
             precision=st.precision,
             preferred_element_type=st.preferred_element_type,
         )
+    a, b = _as_stored(a), _as_stored(b)
     c = _einsum(st, ct, a, b)
     c = inject.apply(c, plan, site)
     if not check:

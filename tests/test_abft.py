@@ -264,3 +264,24 @@ def test_a_negative_entry_breaking_the_promise_only_tightens_the_threshold():
     assert bool(jnp.all(broken.threshold <= honest.threshold))
     assert float(broken.threshold[0, 0, 0]) < float(honest.threshold[0, 0, 0])
 
+
+def test_bf16_flip_that_zeroes_a_unit_sized_value_is_detected():
+    """A bf16 projection output in [1, 2) whose bit 13 flips becomes ~1e-19: an error of ~1.5
+    that a bound built from u_out·|A||B|e (about 1.7 on such rows) missed. The output-rounding
+    term is now u_out·Σ|c| of the row itself."""
+    kx, kw = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (256, 256)).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (256, 64)) / 16).astype(jnp.bfloat16)
+    spec = "mk,kn->mn"
+    clean = jnp.einsum(spec, x, w)
+    magnitude = jnp.abs(clean.astype(jnp.float32)).reshape(-1)
+    index = int(
+        jnp.argmin(jnp.where((magnitude >= 1) & (magnitude < 2), jnp.abs(magnitude - 1.5), 9))
+    )
+    assert 1 <= float(magnitude[index]) < 2
+    plan = FaultPlan.from_faults([Fault(site="t:query", kind="bitflip", bit=13, index=index)])
+    out, counts = jax.jit(lambda x, w, plan: checked_einsum(spec, x, w, site="t:query", plan=plan))(
+        x, w, plan
+    )
+    np.testing.assert_array_equal(counts, [1, 1, 0])
+    assert_close(out, clean, jnp.bfloat16)
