@@ -584,8 +584,7 @@ def _gemm(st: _Static, ct: Contraction, a, b, plan, site: str, check: bool, lhs_
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _checked(st: _Static, a, b, plan, sink):
-    del sink
-    return _gemm(st, st.contraction, a, b, plan, st.site, st.config.forward, st.lhs_nonnegative)
+    return _checked_fwd(st, a, b, plan, sink)[0]
 
 
 def _checked_fwd(st, a, b, plan, sink):

@@ -243,10 +243,10 @@ def _norm_and_finite(grads, proposed) -> tuple[jax.Array, jax.Array]:
     ``u * 0`` is 0 for finite ``u`` and NaN otherwise, so its sum is finite exactly when
     every update is, without the overflow that summing the updates themselves could hit.
     """
-    leaves = jax.tree.leaves(grads) + jax.tree.leaves(proposed)
-    if sum(x.size for x in leaves) > _FLATTEN_BELOW:
-        sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(grads))
-        nonfinite = sum(jnp.sum(x.astype(jnp.float32) * 0.0) for x in jax.tree.leaves(proposed))
+    g_leaves, u_leaves = jax.tree.leaves(grads), jax.tree.leaves(proposed)
+    if sum(x.size for x in g_leaves + u_leaves) > _FLATTEN_BELOW:
+        sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in g_leaves)
+        nonfinite = sum(jnp.sum(x.astype(jnp.float32) * 0.0) for x in u_leaves)
         return jnp.sqrt(sq), jnp.isfinite(nonfinite)
     g, u = _flat(grads), _flat(proposed)
     if g.shape == u.shape:

@@ -36,12 +36,11 @@ import optax
 
 from sdcguard import inject
 from sdcguard.replay.task import ReplayTask
-from sdcguard.sites import site_id
+from sdcguard.sites import module_path_name, site_id
 
 # Every node runs plans of this many faults (unused slots never fire), so that the compiled
 # programs of a healthy and a faulty node are the same.
 FAULT_SLOTS = 4
-ROOT = "model"  # the name of the top-level module in site names
 LOSS = "loss"  # producer of the loss and of the root output's cotangent
 INPUTS = "(inputs)"  # producer of the root module's inputs (the batch)
 
@@ -89,14 +88,9 @@ def resolve_plan(faults: Sequence[inject.Fault], sizes: dict[str, int]) -> list[
     return out
 
 
-def module_name(path: Sequence[str]) -> str:
-    """``('decoder', 'block_0')`` -> ``'decoder/block_0'``; the root is ``'model'``."""
-    return "/".join(path) if path else ROOT
-
-
 def param_site(path: Sequence[str]) -> str:
     """Site of a parameter: ``decoder/block_0/mlp/fc_in:kernel`` (``model:pos_embed`` at root)."""
-    return f"{module_name(path[:-1])}:{path[-1]}"
+    return f"{module_path_name(path[:-1])}:{path[-1]}"
 
 
 def _keys(path) -> tuple[str, ...]:
@@ -241,7 +235,7 @@ class Hooks:
         method = context.method_name
         if method == "setup" or (method != "__call__" and method.startswith("_")):
             return next_fun(*args, **kwargs)
-        path = module_name(context.module.path)
+        path = module_path_name(context.module.path)
         call_id = f"{path}:" + ("" if method == "__call__" else f"{method}.")
         count = self._calls.get(call_id, 0)
         self._calls[call_id] = count + 1
