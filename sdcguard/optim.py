@@ -5,8 +5,9 @@ then checks the gradients, the proposed updates and the optional extra arguments
 ``abft_uncorrectable``; with an ``axis_name`` it also compares fingerprints of the gradients
 across data-parallel replicas. If any check fires, the update it returns is all zeros and the
 inner optimizer state stays exactly as it was, so the step leaves no trace in parameters or
-optimizer moments. The decision is a ``jnp.where`` select inside the compiled step: the clean
-path needs no host sync.
+optimizer moments. The decision is made inside the compiled step (a select for the updates, a
+loop of zero trips for the state when the step is accepted), so the clean path needs no host
+sync and leaves the inner optimizer's outputs where they are.
 
 Unlike ``optax.apply_if_finite`` it also catches finite corruption (gradient-norm and loss
 spikes, ABFT's uncorrectable count, a replica that disagrees with the others), records *why*
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import jax
@@ -224,35 +225,32 @@ def tree_fingerprint(tree) -> jax.Array:
 # --- Checks ------------------------------------------------------------------------------------
 
 
+def _sum_of_squares(x: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.square(x.astype(jnp.float32)))
+
+
 def _flat(tree) -> jax.Array:
     leaves = [x.reshape(-1).astype(jnp.float32) for x in jax.tree.leaves(tree)]
     return jnp.concatenate([*leaves, jnp.zeros((0,), jnp.float32)])
 
 
-# Below this many elements (grads + updates) the guard's cost is its number of kernels, and one
-# reduction over the flattened trees is cheapest; above it, the copies that flattening makes.
-_FLATTEN_BELOW = 1 << 20
+# Below this many elements the cost of a norm is its number of kernels, and one reduction over
+# the flattened tree is cheapest; above it, the copy that flattening makes.
+_FLATTEN_BELOW = 1 << 19
 
 
-def _norm_and_finite(grads, proposed) -> tuple[jax.Array, jax.Array]:
-    """Global gradient norm, and whether every proposed update is finite.
+def _global_norm(tree) -> jax.Array:
+    """The L2 norm of all of ``tree``'s elements, in float32.
 
-    On small trees both come from one reduction over the flattened trees: there the cost of
-    the guard is the number of kernels, not the bytes (a reduction per leaf doubled it). On
-    big trees each leaf is reduced where it lies, without the copies flattening makes.
-    ``u * 0`` is 0 for finite ``u`` and NaN otherwise, so its sum is finite exactly when
-    every update is, without the overflow that summing the updates themselves could hit.
+    It is finite exactly when every element is finite and the norm does not overflow (above
+    about 1.8e19, far beyond any gradient or update a clean step produces), so the finiteness
+    check needs no reduction of its own: the ``u * 0`` sum it replaces made XLA:CPU write a
+    broadcast zero the size of every leaf.
     """
-    g_leaves, u_leaves = jax.tree.leaves(grads), jax.tree.leaves(proposed)
-    if sum(x.size for x in g_leaves + u_leaves) > _FLATTEN_BELOW:
-        sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in g_leaves)
-        nonfinite = sum(jnp.sum(x.astype(jnp.float32) * 0.0) for x in u_leaves)
-        return jnp.sqrt(sq), jnp.isfinite(nonfinite)
-    g, u = _flat(grads), _flat(proposed)
-    if g.shape == u.shape:
-        sums = jnp.sum(jnp.stack([jnp.square(g), u * 0.0]), axis=1)
-        return jnp.sqrt(sums[0]), jnp.isfinite(sums[1])
-    return jnp.sqrt(jnp.sum(jnp.square(g))), jnp.isfinite(jnp.sum(u * 0.0))
+    leaves = jax.tree.leaves(tree)
+    if sum(x.size for x in leaves) > _FLATTEN_BELOW:
+        return jnp.sqrt(sum((_sum_of_squares(x) for x in leaves), jnp.float32(0)))
+    return jnp.sqrt(_sum_of_squares(_flat(tree)))
 
 
 def _stats_init() -> RollingStats:
@@ -338,6 +336,23 @@ def _agree_across_replicas(grads, local_reason: jax.Array, axis_name: Hashable):
     return reason, odd_replica
 
 
+def _unless(refuse: jax.Array, accepted, refused: Callable[[], Any]):
+    """``refused()`` when ``refuse``, else ``accepted``, without touching ``accepted``'s bytes.
+
+    A select reads both trees and writes a third, and ``lax.cond`` copies the tree it passes
+    through: either is a pass over the optimizer state on every clean step, as costly as the
+    rest of the guard. A ``while_loop`` of zero or one trips updates its carry in place, so on
+    the clean path the inner update's own output buffers are returned as they are, and only a
+    refused step pays for writing the zeros and the old state.
+    """
+
+    def restore(carry):
+        return jnp.zeros((), jnp.bool_), refused()
+
+    _, out = jax.lax.while_loop(lambda carry: carry[0], restore, (refuse, accepted))
+    return out
+
+
 # --- The transformation ------------------------------------------------------------------------
 
 
@@ -408,13 +423,13 @@ def refuse_corrupted(
         abft_uncorrectable = extra.get("abft_uncorrectable")
         proposed, new_inner_state = inner.update(grads, state.inner_state, params, **extra)
 
-        grad_norm, updates_finite = _norm_and_finite(grads, proposed)
+        grad_norm = _global_norm(grads)
         loss = None if loss is None else jnp.asarray(loss, jnp.float32)
         reason = jnp.int32(0)
         if config.check_nonfinite:
-            # A NaN or Inf gradient makes the norm non-finite (so does a gradient beyond 1e19,
+            # A NaN or Inf makes a norm non-finite (so does a gradient or update beyond 1e19,
             # which float32 squares to Inf: corrupt just the same).
-            finite = jnp.isfinite(grad_norm) & updates_finite
+            finite = jnp.isfinite(grad_norm) & jnp.isfinite(_global_norm(proposed))
             if loss is not None:
                 finite &= jnp.isfinite(loss)
             reason |= _flag(~finite, Reason.NONFINITE)
@@ -444,10 +459,12 @@ def refuse_corrupted(
 
         refuse = reason != 0
         accept = ~refuse
+        # A select, not _unless: XLA fuses it into the caller's apply_updates, which then keeps
+        # the exact arithmetic (FMA contraction included) of the unguarded step.
         out_updates = optax.tree_utils.tree_where(
             refuse, optax.tree_utils.tree_zeros_like(proposed), proposed
         )
-        inner_state = optax.tree_utils.tree_where(refuse, state.inner_state, new_inner_state)
+        inner_state = _unless(refuse, new_inner_state, lambda: state.inner_state)
         consecutive = jnp.where(refuse, state.consecutive + 1, 0)
         bits = jnp.array([int(r) for r in Reason], jnp.int32)
         loss_stats = state.loss_stats

@@ -453,3 +453,13 @@ def test_no_majority_is_refused_without_naming_a_replica_on_8_devices():
     )(jnp.ones(5))
     assert set(np.asarray(reason).tolist()) == {int(Reason.REPLICA_MISMATCH)}
     assert set(np.asarray(odd).tolist()) == {-1}
+
+
+def test_an_update_whose_norm_overflows_is_refused_as_nonfinite():
+    """Finite updates of ~1e30 square to Inf: no clean step proposes them, so they are refused."""
+    params = toy_params()
+    tx = refuse_corrupted(optax.scale(1e30))
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert reason_names(state.reason) == ("nonfinite",)
+    assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
