@@ -191,7 +191,8 @@ def main(argv=None) -> dict:
         f"{result['guard_state']}"
     )
     console.print(
-        f"optimizer step alone (update + apply_updates): unguarded {1e6 * update_med['unguarded']:.1f} us, guarded "
+        f"optimizer step alone (update + apply_updates): unguarded "
+        f"{1e6 * update_med['unguarded']:.1f} us, guarded "
         f"{1e6 * update_med['guarded']:.1f} us; the guard's extra work is "
         f"{100 * guard_share:.2f}% of an unguarded step"
     )
