@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -196,8 +197,9 @@ def protected_attention(
     if recorder.config.checks("probs"):
         probs, counts = check_softmax_rows(
             probs,
-            lambda: _softmax(scores, dtype, force_fp32_for_softmax),
-            config=recorder.config,
+            scores,
+            functools.partial(_softmax, dtype=dtype, force_fp32_for_softmax=force_fp32_for_softmax),
+            recorder.config,
         )
         recorder.add("probs", counts)
     if sow is not None:

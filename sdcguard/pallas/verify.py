@@ -406,7 +406,7 @@ def verify_and_correct(
             interpret=interpret,
         )
 
-    return jax.lax.cond(flagged_any, fault_path, lambda c: (c, abft.zero_counts()), c)
+    return abft.repair_if(flagged_any, fault_path, c)
 
 
 def verify_and_correct_reference(
