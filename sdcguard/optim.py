@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import jax
@@ -336,21 +336,36 @@ def _agree_across_replicas(grads, local_reason: jax.Array, axis_name: Hashable):
     return reason, odd_replica
 
 
-def _unless(refuse: jax.Array, accepted, refused: Callable[[], Any]):
-    """``refused()`` when ``refuse``, else ``accepted``, without touching ``accepted``'s bytes.
+@jax.custom_jvp
+def _unless(refuse: jax.Array, accepted, refused):
+    """``refused`` when ``refuse``, else ``accepted``, without touching ``accepted``'s bytes.
 
     A select reads both trees and writes a third, and ``lax.cond`` copies the tree it passes
     through: either is a pass over the optimizer state on every clean step, as costly as the
     rest of the guard. A ``while_loop`` of zero or one trips updates its carry in place, so on
     the clean path the inner update's own output buffers are returned as they are, and only a
-    refused step pays for writing the zeros and the old state.
+    refused step pays for copying the old state. Its derivative is that of the select (a
+    ``while_loop`` alone would not be reverse-differentiable).
     """
 
     def restore(carry):
-        return jnp.zeros((), jnp.bool_), refused()
+        return jnp.zeros((), jnp.bool_), refused
 
     _, out = jax.lax.while_loop(lambda carry: carry[0], restore, (refuse, accepted))
     return out
+
+
+@_unless.defjvp
+def _unless_jvp(primals, tangents):
+    refuse = primals[0]
+    _, accepted_dot, refused_dot = tangents
+
+    def select(a, r):
+        if a.dtype == jax.dtypes.float0:  # integer leaves (step counts) have no tangent
+            return a
+        return jnp.where(refuse, r, a)
+
+    return _unless(*primals), jax.tree.map(select, accepted_dot, refused_dot)
 
 
 # --- The transformation ------------------------------------------------------------------------
@@ -464,7 +479,7 @@ def refuse_corrupted(
         out_updates = optax.tree_utils.tree_where(
             refuse, optax.tree_utils.tree_zeros_like(proposed), proposed
         )
-        inner_state = _unless(refuse, new_inner_state, lambda: state.inner_state)
+        inner_state = _unless(refuse, new_inner_state, state.inner_state)
         consecutive = jnp.where(refuse, state.consecutive + 1, 0)
         bits = jnp.array([int(r) for r in Reason], jnp.int32)
         loss_stats = state.loss_stats

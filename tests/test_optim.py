@@ -463,3 +463,22 @@ def test_an_update_whose_norm_overflows_is_refused_as_nonfinite():
     updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
     assert reason_names(state.reason) == ("nonfinite",)
     assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["accepted", "refused"])
+def test_the_guarded_update_is_differentiable_like_a_select(refused):
+    """Gradients through the guard (e.g. for meta-learning) are those of the selected branch."""
+    params = toy_params()
+    tx = refuse_corrupted(optax.sgd(0.1, momentum=0.9))
+    state = tx.init(params)
+    abft = jnp.int32(1 if refused else 0)
+
+    def momentum_after(grads):
+        _, new = tx.update(grads, state, params, abft_uncorrectable=abft)
+        return sum(jnp.sum(x) for x in jax.tree.leaves(new.inner_state))
+
+    grads = jax.grad(momentum_after)(toy_grads(0, params))
+    # Accepted: the new momentum is the gradient itself (d/dg = 1); refused: the old one (0).
+    expected = 0.0 if refused else 1.0
+    for g in jax.tree.leaves(grads):
+        np.testing.assert_array_equal(np.asarray(g), np.full(g.shape, expected, np.float32))
