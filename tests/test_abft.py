@@ -12,11 +12,14 @@ from sdcguard.abft import (
     ABFTConfig,
     Contraction,
     check_contraction,
+    check_softmax_rows,
     checked_dot_general,
     checked_einsum,
     dot_general_to_einsum,
     line_checksums,
+    repair_if,
     roundoff_gamma,
+    zero_counts,
 )
 from sdcguard.inject import Fault, FaultPlan
 
@@ -285,3 +288,42 @@ def test_bf16_flip_that_zeroes_a_unit_sized_value_is_detected():
     )
     np.testing.assert_array_equal(counts, [1, 1, 0])
     assert_close(out, clean, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["jit", "vmap"])
+def test_repair_if_runs_the_repair_only_when_flagged(batched):
+    x = jnp.arange(6.0).reshape(2, 3)
+
+    def repair(x):
+        return -x, jnp.array([1, 1, 0], jnp.int32)
+
+    def f(flagged, x):
+        return repair_if(flagged, repair, x)
+
+    flags = jnp.array([False, True])
+    if batched:
+        out, counts = jax.jit(jax.vmap(f, in_axes=(0, None)))(flags, x)
+    else:
+        out, counts = zip(*(jax.jit(f)(flag, x) for flag in flags), strict=True)
+    np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(counts[0]), np.asarray(zero_counts()))
+    np.testing.assert_array_equal(np.asarray(out[1]), -np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(counts[1]), [1, 1, 0])
+
+
+def test_softmax_check_repairs_rows_and_is_the_identity_for_autodiff():
+    scores = jax.random.normal(jax.random.key(0), (2, 4, 8))
+    bad = jax.nn.softmax(scores).at[1, 2, 3].set(jnp.nan)
+    fixed, counts = check_softmax_rows(bad, scores, jax.nn.softmax, ABFTConfig())
+    # The bad row is recomputed by the same softmax, the others are untouched: exact.
+    np.testing.assert_array_equal(np.asarray(fixed), np.asarray(jax.nn.softmax(scores)))
+    assert counts.tolist() == [1, 1, 0]
+
+    weights = jax.random.normal(jax.random.key(1), scores.shape)
+
+    def loss(probs):
+        return jnp.sum(weights * check_softmax_rows(probs, scores, jax.nn.softmax, ABFTConfig())[0])
+
+    # Gradients flow to probs as if no check were there, clean or repaired.
+    for probs in (jax.nn.softmax(scores), bad):
+        np.testing.assert_array_equal(np.asarray(jax.grad(loss)(probs)), np.asarray(weights))
