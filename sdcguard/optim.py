@@ -474,8 +474,8 @@ def refuse_corrupted(
 
         refuse = reason != 0
         accept = ~refuse
-        # A select, not _unless: XLA fuses it into the caller's apply_updates, which then keeps
-        # the exact arithmetic (FMA contraction included) of the unguarded step.
+        # A select, not _unless: XLA fuses it into the caller's apply_updates, and the sums
+        # stay bit-identical to the unguarded step's (through the loop they differed by an ulp).
         out_updates = optax.tree_utils.tree_where(
             refuse, optax.tree_utils.tree_zeros_like(proposed), proposed
         )
