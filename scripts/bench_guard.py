@@ -49,15 +49,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def loss_fn(model: GPT, params, batch):
+    return lm_loss(model.apply({"params": params}, batch[:, :-1]), batch[:, 1:])
+
+
 def make_step(model: GPT, tx, *, guarded: bool):
     """A jitted ``step(params, opt_state, batch)``; the guarded one gets every extra input."""
 
-    def loss_fn(params, batch):
-        return lm_loss(model.apply({"params": params}, batch[:, :-1]), batch[:, 1:])
-
     @jax.jit
     def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        loss, grads = jax.value_and_grad(loss_fn, argnums=1)(model, params, batch)
         extra = {"loss": loss, "abft_uncorrectable": jnp.int32(0)} if guarded else {}
         updates, opt_state = tx.update(grads, opt_state, params, **extra)
         return optax.apply_updates(params, updates), opt_state
@@ -103,6 +104,15 @@ def update_seconds(tx, params, grads, *, guarded: bool, calls: int):
     return run
 
 
+def interleaved(timers: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds from each zero-argument timer, ``repeats`` times, the order alternating."""
+    seconds = {name: [] for name in timers}
+    for r in range(repeats):
+        for name in list(timers) if r % 2 == 0 else list(reversed(timers)):
+            seconds[name].append(timers[name]())
+    return seconds
+
+
 def environment() -> dict:
     return {
         "jax": jax.__version__,
@@ -136,28 +146,24 @@ def main(argv=None) -> dict:
         carries[name] = (params, tx.init(params))
         _, carries[name] = time_steps(steps[name], carries[name], batches[:2])  # compile
 
-    per_step = {name: [] for name in variants}
-    for r in range(args.repeats):
-        order = list(variants) if r % 2 == 0 else list(reversed(variants))
-        for name in order:
+    def step_timer(name):
+        def run() -> float:
             seconds, carries[name] = time_steps(steps[name], carries[name], batches)
-            per_step[name].append(seconds)
+            return seconds
+
+        return run
+
+    per_step = interleaved({name: step_timer(name) for name in variants}, args.repeats)
 
     ratios = [g / u for g, u in zip(per_step["guarded"], per_step["unguarded"], strict=True)]
     med = {name: statistics.median(v) for name, v in per_step.items()}
 
-    grads = jax.grad(
-        lambda p: lm_loss(model.apply({"params": p}, batches[0][:, :-1]), batches[0][:, 1:])
-    )(params)
+    grads = jax.grad(loss_fn, argnums=1)(model, params, batches[0])
     updates = {
         name: update_seconds(tx, params, grads, guarded=guarded, calls=args.update_calls)
         for name, (tx, guarded) in variants.items()
     }
-    per_update = {name: [] for name in variants}
-    for r in range(args.repeats):
-        order = list(variants) if r % 2 == 0 else list(reversed(variants))
-        for name in order:
-            per_update[name].append(updates[name]())
+    per_update = interleaved(updates, args.repeats)
     update_med = {name: statistics.median(v) for name, v in per_update.items()}
     guard_share = (update_med["guarded"] - update_med["unguarded"]) / med["unguarded"]
     result = {

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdcguard import inject
+from sdcguard.in_place import apply_if
 from sdcguard.sites import ATTENTION_SITES, NEAR_INF
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
@@ -304,32 +305,33 @@ def _contract_with_line_sums(
     summed_axes = _axes(other_letters, summed_letters)
     v, w = jnp.sum(other, axis=summed_axes), jnp.sum(jnp.abs(other), axis=summed_axes)
     v_letters = "".join(c for c in other_letters if c not in summed_letters)
-    # Lay v out along x's axes (unit axes where x has letters v lacks) so it broadcasts.
-    order = [c for c in x_letters if c in v_letters]
-    shape = [x.shape[i] if c in v_letters else 1 for i, c in enumerate(x_letters)]
-    perm = [v_letters.index(c) for c in order]
-    v_raw, w_raw = v, w
-    v, w = (jnp.transpose(t, perm).reshape(shape) for t in (v, w))
     contracted_axes = _axes(x_letters, ct.contracted)
     kept = "".join(c for c in x_letters if c not in ct.contracted)
+
+    def along_x(t):
+        # t (letters v_letters) laid out along x's axes, unit axes where x has letters v lacks.
+        order = [c for c in x_letters if c in v_letters]
+        shape = [x.shape[i] if c in v_letters else 1 for i, c in enumerate(x_letters)]
+        return jnp.transpose(t, [v_letters.index(c) for c in order]).reshape(shape)
+
     # A dot reads x once; XLA:CPU writes the elementwise product out before reducing it
     # (measured 2-3x slower on the bench GPT's scores gradient).
     as_dot = x_letters.startswith("".join(c for c in x_letters if c in ct.batch))
 
-    def line_products(vector, vector_in_place):
+    def line_products(t):
         if as_dot:
             spec = f"{x_letters},{v_letters}->{kept}"
-            return jnp.einsum(spec, x, vector, precision=jax.lax.Precision.HIGHEST)
-        return jnp.sum(x * vector_in_place, axis=contracted_axes)
+            return jnp.einsum(spec, x, t, precision=jax.lax.Precision.HIGHEST)
+        return jnp.sum(x * along_x(t), axis=contracted_axes)
 
-    ref = line_products(v_raw, v)
+    ref = line_products(v)
     if x_nonnegative:
         # On clean data x >= 0 and this is |x|·w exactly; a corrupted negative entry can only
         # lower it, which tightens the threshold (more alarms, never fewer).
-        magnitude = line_products(w_raw, w)
+        magnitude = line_products(w)
     else:
         x_norm = jnp.sqrt(jnp.sum(x * x, axis=contracted_axes))
-        magnitude = x_norm * jnp.sqrt(jnp.sum(w * w, axis=contracted_axes))
+        magnitude = x_norm * jnp.sqrt(jnp.sum(jnp.square(along_x(w)), axis=contracted_axes))
     term = ct.without(summed_letters)
     perm = [kept.index(c) for c in term]
     return jnp.transpose(ref, perm), jnp.transpose(magnitude, perm)
@@ -396,15 +398,9 @@ def line_checksums(
 def repair_if(flagged: jax.Array, repair, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``repair(x)`` when ``flagged``, else ``(x, zero_counts())``; no copy of ``x`` when clean.
 
-    ``lax.cond`` would copy ``x`` on every clean step: XLA gives a conditional its own output
-    buffer, so a branch that returns its operand unchanged becomes a copy (measured: 1-6 ms per
-    checked tensor of the bench GPT, a quarter of the forward checks' cost). A ``while_loop``
-    of zero or one trips updates its carry in place instead. ``repair`` must read the tensor
-    from its argument (the carry), not from a closure: a closed-over ``x`` would be a second
-    live use of the carry's buffer, which XLA resolves with the same copy.
-
-    A ``while_loop`` is not reverse-differentiable: call this inside a ``custom_vjp`` (as the
-    checked einsum does) or behind an identity ``custom_jvp`` (as the softmax check does).
+    See :func:`sdcguard.in_place.apply_if` for why this is not a ``lax.cond``. It is not
+    reverse-differentiable: the checked einsum calls it inside its ``custom_vjp``, the softmax
+    check behind an identity ``custom_jvp``.
 
     Args:
       flagged: bool scalar, whether any line failed its check.
@@ -414,13 +410,7 @@ def repair_if(flagged: jax.Array, repair, x: jax.Array) -> tuple[jax.Array, jax.
     Returns:
       ``(x or x_repaired, int32 [detected, corrected, uncorrectable])``.
     """
-
-    def repair_once(carry):
-        _, (x, _) = carry
-        return jnp.zeros((), jnp.bool_), repair(x)
-
-    _, out = jax.lax.while_loop(lambda carry: carry[0], repair_once, (flagged, (x, zero_counts())))
-    return out
+    return apply_if(flagged, lambda checked: repair(checked[0]), (x, zero_counts()))
 
 
 def check_contraction(

@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from sdcguard.in_place import apply_if
+
 __all__ = [
     "GuardConfig",
     "GuardState",
@@ -340,19 +342,12 @@ def _agree_across_replicas(grads, local_reason: jax.Array, axis_name: Hashable):
 def _unless(refuse: jax.Array, accepted, refused):
     """``refused`` when ``refuse``, else ``accepted``, without touching ``accepted``'s bytes.
 
-    A select reads both trees and writes a third, and ``lax.cond`` copies the tree it passes
-    through: either is a pass over the optimizer state on every clean step, as costly as the
-    rest of the guard. A ``while_loop`` of zero or one trips updates its carry in place, so on
-    the clean path the inner update's own output buffers are returned as they are, and only a
-    refused step pays for copying the old state. Its derivative is that of the select (a
-    ``while_loop`` alone would not be reverse-differentiable).
+    A select would read both trees and write a third, a pass over the optimizer state on every
+    clean step, as costly as the rest of the guard; :func:`sdcguard.in_place.apply_if` returns
+    the inner update's own output buffers as they are, and only a refused step pays for copying
+    the old state. Its derivative is that of the select.
     """
-
-    def restore(carry):
-        return jnp.zeros((), jnp.bool_), refused
-
-    _, out = jax.lax.while_loop(lambda carry: carry[0], restore, (refuse, accepted))
-    return out
+    return apply_if(refuse, lambda _: refused, accepted)
 
 
 @_unless.defjvp
