@@ -146,34 +146,143 @@ class RollingStats(NamedTuple):
     count: jax.Array
 
 
+# Where each scalar of a GuardState lives. The guard's scalars travel as two small arrays, not
+# fourteen: every leaf of the optimizer state is a buffer passed into and out of the compiled
+# step, and on the tiny reference GPT fourteen scalar leaves cost about as much as the guard's
+# checks (scripts/bench_guard.py).
+_COUNTERS = (
+    "steps",
+    "refused",
+    "consecutive",
+    "reason",
+    "rollback_needed",
+    "odd_replica",
+    "grad_norm_count",
+    "loss_count",
+)
+_FIRST_REASON_COUNT = len(_COUNTERS)  # then one count per Reason, in Reason order
+_STATISTICS = ("grad_norm", "grad_norm_mean", "grad_norm_var", "loss_mean", "loss_var")
+
+
+def _at(name: str) -> int:
+    return _COUNTERS.index(name) if name in _COUNTERS else _STATISTICS.index(name)
+
+
 class GuardState(NamedTuple):
-    """State of :func:`refuse_corrupted`. All counters are int32 scalars.
+    """State of :func:`refuse_corrupted`: the inner state and two small arrays.
 
     inner_state: the wrapped transformation's state, untouched by refused steps.
-    steps: updates seen, accepted or refused.
-    refused: updates refused so far.
-    consecutive: refusals in a row ending with the last update (0 after an accepted one).
-    reason: :class:`Reason` mask of the last update (0: accepted).
-    reason_counts: int32 ``[len(Reason)]``, how often each check fired (in :class:`Reason`
-      order).
-    rollback_needed: bool, ``consecutive >= max_consecutive``.
-    odd_replica: index along ``axis_name`` of the replica whose gradients disagreed with the
-      majority at the last update; -1 when all agreed or no majority exists.
-    grad_norm: float32, global gradient norm of the last update.
-    grad_norm_stats, loss_stats: rolling statistics of accepted steps only.
+    counters: int32 ``[8 + len(Reason)]``; read it through the properties below.
+    statistics: float32 ``[5]``; read it through the properties below.
+
+    Properties (scalars unless stated):
+      steps: updates seen, accepted or refused.
+      refused: updates refused so far.
+      consecutive: refusals in a row ending with the last update (0 after an accepted one).
+      reason: :class:`Reason` mask of the last update (0: accepted).
+      reason_counts: int32 ``[len(Reason)]``, how often each check fired (in :class:`Reason`
+        order).
+      rollback_needed: bool, ``consecutive >= max_consecutive``.
+      odd_replica: index along ``axis_name`` of the replica whose gradients disagreed with the
+        majority at the last update; -1 when all agreed or no majority exists.
+      grad_norm: float32, global gradient norm of the last update.
+      grad_norm_stats, loss_stats: :class:`RollingStats` of accepted steps only.
+
+    Example:
+      >>> state.refused, state.rollback_needed, reason_names(state.reason)
     """
 
     inner_state: Any
-    steps: jax.Array
-    refused: jax.Array
-    consecutive: jax.Array
-    reason: jax.Array
-    reason_counts: jax.Array
-    rollback_needed: jax.Array
-    odd_replica: jax.Array
-    grad_norm: jax.Array
-    grad_norm_stats: RollingStats
-    loss_stats: RollingStats
+    counters: jax.Array
+    statistics: jax.Array
+
+    @property
+    def steps(self) -> jax.Array:
+        return self.counters[_at("steps")]
+
+    @property
+    def refused(self) -> jax.Array:
+        return self.counters[_at("refused")]
+
+    @property
+    def consecutive(self) -> jax.Array:
+        return self.counters[_at("consecutive")]
+
+    @property
+    def reason(self) -> jax.Array:
+        return self.counters[_at("reason")]
+
+    @property
+    def reason_counts(self) -> jax.Array:
+        return self.counters[_FIRST_REASON_COUNT:]
+
+    @property
+    def rollback_needed(self) -> jax.Array:
+        return self.counters[_at("rollback_needed")] != 0
+
+    @property
+    def odd_replica(self) -> jax.Array:
+        return self.counters[_at("odd_replica")]
+
+    @property
+    def grad_norm(self) -> jax.Array:
+        return self.statistics[_at("grad_norm")]
+
+    @property
+    def grad_norm_stats(self) -> RollingStats:
+        return RollingStats(
+            mean=self.statistics[_at("grad_norm_mean")],
+            var=self.statistics[_at("grad_norm_var")],
+            count=self.counters[_at("grad_norm_count")],
+        )
+
+    @property
+    def loss_stats(self) -> RollingStats:
+        return RollingStats(
+            mean=self.statistics[_at("loss_mean")],
+            var=self.statistics[_at("loss_var")],
+            count=self.counters[_at("loss_count")],
+        )
+
+
+def _guard_state(
+    inner_state,
+    *,
+    steps,
+    refused,
+    consecutive,
+    reason,
+    reason_counts,
+    rollback_needed,
+    odd_replica,
+    grad_norm,
+    grad_norm_stats: RollingStats,
+    loss_stats: RollingStats,
+) -> GuardState:
+    """Packs the guard's scalars into a :class:`GuardState` (the inverse of its properties)."""
+    named = {
+        "steps": steps,
+        "refused": refused,
+        "consecutive": consecutive,
+        "reason": reason,
+        "rollback_needed": rollback_needed,
+        "odd_replica": odd_replica,
+        "grad_norm_count": grad_norm_stats.count,
+        "loss_count": loss_stats.count,
+    }
+    counters = [jnp.asarray(named[n], jnp.int32).reshape(1) for n in _COUNTERS]
+    statistics = (
+        grad_norm,
+        grad_norm_stats.mean,
+        grad_norm_stats.var,
+        loss_stats.mean,
+        loss_stats.var,
+    )
+    return GuardState(
+        inner_state=inner_state,
+        counters=jnp.concatenate([*counters, jnp.asarray(reason_counts, jnp.int32)]),
+        statistics=jnp.stack([jnp.asarray(x, jnp.float32) for x in statistics]),
+    )
 
 
 # --- Fingerprints ------------------------------------------------------------------------------
@@ -413,8 +522,8 @@ def refuse_corrupted(
 
     def init_fn(params):
         zero = jnp.zeros((), jnp.int32)
-        return GuardState(
-            inner_state=inner.init(params),
+        return _guard_state(
+            inner.init(params),
             steps=zero,
             refused=zero,
             consecutive=zero,
@@ -480,8 +589,8 @@ def refuse_corrupted(
         loss_stats = state.loss_stats
         if loss is not None:
             loss_stats = _stats_push(loss_stats, loss, accept, config.window)
-        new_state = GuardState(
-            inner_state=inner_state,
+        new_state = _guard_state(
+            inner_state,
             steps=state.steps + 1,
             refused=state.refused + refuse.astype(jnp.int32),
             consecutive=consecutive,

@@ -254,6 +254,25 @@ def test_guard_state_is_found_inside_a_chain_and_described():
         find_guard_state(optax.adam(1e-3).init(params))
 
 
+def test_guard_scalars_travel_as_two_arrays_and_read_back_by_name():
+    tx = refuse_corrupted(optax.adam(1e-2))
+    params = toy_params()
+    state = tx.init(params)
+    inner_leaves = len(jax.tree.leaves(optax.adam(1e-2).init(params)))
+    # Each state leaf is a buffer in and out of every compiled step: the guard adds two.
+    assert len(jax.tree.leaves(state)) == inner_leaves + 2
+    assert (int(state.steps), int(state.refused), int(state.odd_replica)) == (0, 0, -1)
+    assert state.rollback_needed.dtype == jnp.bool_ and not bool(state.rollback_needed)
+    assert state.reason_counts.shape == (len(Reason),)
+
+    _, state = tx.update(poison(toy_grads(0, params), jnp.inf), state, params, loss=3.0)
+    assert (int(state.steps), int(state.refused), int(state.consecutive)) == (1, 1, 1)
+    assert reason_names(state.reason) == ("nonfinite",)
+    assert int(state.reason_counts[list(Reason).index(Reason.NONFINITE)]) == 1
+    assert int(state.loss_stats.count) == 0 and int(state.grad_norm_stats.count) == 0
+    assert not np.isfinite(float(state.grad_norm))
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
