@@ -242,12 +242,31 @@ def restrict_sites(
         _RESTRICTION.reset(token)
 
 
-def apply(x: jax.Array, plan: FaultPlan | None, site: str) -> jax.Array:
+def _stored_index(index: jax.Array, shape: tuple[int, ...], axes: tuple[int, ...]) -> jax.Array:
+    """Flat index into ``transpose(t, axes)`` of the element at flat ``index`` of ``t``."""
+    site_shape = [0] * len(shape)
+    for stored_axis, site_axis in enumerate(axes):
+        site_shape[site_axis] = shape[stored_axis]
+    coords = jnp.unravel_index(index, site_shape)
+    return jnp.ravel_multi_index(tuple(coords[a] for a in axes), shape, mode="clip")
+
+
+def apply(
+    x: jax.Array, plan: FaultPlan | None, site: str, *, axes: tuple[int, ...] | None = None
+) -> jax.Array:
     """Applies the faults of ``plan`` addressed to ``site`` at the current step to ``x``.
 
     The element index is taken modulo ``x.size``; a random index comes from the fault's seed
     and the site, so one seed hits a different element at each site. All faults of the plan are
     applied in one gather and one scatter.
+
+    Args:
+      x: the site's tensor, or a transpose of it (see ``axes``).
+      plan: the faults; None or an empty plan returns ``x``.
+      site: the site's name.
+      axes: when ``x`` is ``jnp.transpose(t, axes)`` of the site's tensor ``t`` (a GEMM checked
+        in its own output order), indices keep naming elements of ``t``, so a fault hits the
+        same element whichever order the site is computed in.
     """
     armed, sizes = _RESTRICTION.get()
     if sizes is not None:
@@ -259,7 +278,10 @@ def apply(x: jax.Array, plan: FaultPlan | None, site: str) -> jax.Array:
     index = jnp.where(
         plan.index >= 0, plan.index % flat.size, random_index(plan.seed, sid, flat.size)
     )
-    old = flat[index]
+    stored = index
+    if axes is not None and tuple(axes) != tuple(range(x.ndim)):
+        stored = _stored_index(index, x.shape, tuple(axes))
+    old = flat[stored]
     new = jax.vmap(corrupt)(old, plan.kind, plan.bit, plan.value)
     fires = fault_hits(plan, sid)
     log = _HIT_LOG.get()
@@ -274,8 +296,8 @@ def apply(x: jax.Array, plan: FaultPlan | None, site: str) -> jax.Array:
         )
     # Faults that do not fire are sent out of bounds and dropped, so they cannot race a firing
     # fault at the same index.
-    index = jnp.where(fires, index, flat.size)
-    return _straight_through(x, flat.at[index].set(new, mode="drop").reshape(x.shape))
+    stored = jnp.where(fires, stored, flat.size)
+    return _straight_through(x, flat.at[stored].set(new, mode="drop").reshape(x.shape))
 
 
 @jax.custom_jvp

@@ -50,6 +50,37 @@ def test_only_addressed_site_and_step_fire():
     assert hit.reshape(-1)[7] == 1.0 and hit.sum() == 1.0
 
 
+@pytest.mark.parametrize("axes", [(0, 1, 2, 3), (0, 2, 1, 3), (0, 2, 3, 1), (3, 1, 0, 2)])
+@pytest.mark.parametrize("seed", [None, 5])
+def test_a_transposed_site_tensor_is_hit_at_the_same_element(axes, seed):
+    # A GEMM checked in its dot order holds the site's tensor transposed; the plan's index
+    # (given or drawn) must still name the element of the site's own layout.
+    t = jnp.arange(2 * 3 * 4 * 5, dtype=jnp.float32).reshape(2, 3, 4, 5)
+    where = {"index": 37} if seed is None else {"seed": seed}
+    plan = FaultPlan.from_faults([Fault(site=SITE, kind="value", value=-1.0, **where)])
+    expected = apply(t, plan, SITE)
+    stored = apply(jnp.transpose(t, axes), plan, SITE, axes=axes)
+    np.testing.assert_array_equal(jnp.transpose(stored, np.argsort(axes)), expected)
+    assert int(jnp.sum(expected != t)) == 1
+
+
+def test_a_checked_gemm_is_injected_at_the_einsum_output_index():
+    from sdcguard.abft import ABFTConfig, checked_einsum
+
+    a = jax.random.normal(jax.random.key(0), (2, 3, 6, 6))  # [batch, heads, q, k]
+    b = jax.random.normal(jax.random.key(1), (2, 6, 3, 4))  # [batch, k, heads, dim]
+    spec = "ahqk,akhd->aqhd"  # transposed relative to dot_general's own order
+    clean = jnp.einsum(spec, a, b)
+    plan = FaultPlan.from_faults([Fault(site=SITE, kind="value", value=1e4, index=50)])
+    detected, counts = checked_einsum(
+        spec, a, b, site=SITE, plan=plan, config=ABFTConfig(correct=False)
+    )
+    assert counts.tolist() == [1, 0, 1]
+    # Clean elements differ from the einsum's only by round-off (another summation order).
+    changed = np.flatnonzero(np.abs(np.asarray(detected - clean)).reshape(-1) > 1e-3)
+    assert changed.tolist() == [50] and float(detected.reshape(-1)[50]) == 1e4
+
+
 def test_random_index_is_deterministic_and_spread():
     x = jnp.zeros((64, 64))
     hits = []
