@@ -1,7 +1,8 @@
 """ABFT overhead on the reference GPT: training step and attention alone, protected/unprotected.
 
-Every variant is compiled first, then timed in interleaved rounds (A, B, C, A, B, C, ...) in one
-process; the reported time is the median over rounds, and overheads are ratios of medians.
+Every variant is compiled first, then timed in interleaved rounds (A, B, C, C, B, A, ...) in one
+process; an overhead is the median over rounds of the per-round ratio to the unprotected step
+(with its interquartile range), the reported time the median over rounds.
 
     python scripts/bench_overhead.py                 # bench-size GPT (d_model 256, seq 256)
     python scripts/bench_overhead.py --size default  # the tiny default GPT
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -48,16 +50,37 @@ PER_SITE_VARIANTS = {
 }
 
 
-def interleaved_medians(fns: dict, rounds: int, inner: int) -> dict[str, float]:
+def interleaved_times(fns: dict, rounds: int, inner: int) -> dict[str, list[float]]:
+    """Seconds per call of each function, one entry per round.
+
+    Every round runs each function ``inner`` times, in an order that reverses every round, so
+    a drift in machine load hits all variants alike.
+    """
     times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for r in range(rounds):
+        for name in list(fns) if r % 2 == 0 else list(reversed(fns)):
             start = time.perf_counter()
             for _ in range(inner):
-                out = fn()
+                out = fns[name]()
             jax.block_until_ready(out)
             times[name].append((time.perf_counter() - start) / inner)
-    return {name: float(np.median(t)) for name, t in times.items()}
+    return times
+
+
+def overheads(times: dict[str, list[float]], base: str = "unprotected") -> dict[str, dict]:
+    """Per variant: the median time, and the median and quartiles of its per-round ratio to
+    ``base``. Ratios within a round cancel the machine's slow drifts, which on a shared
+    machine move a ratio of medians by several percent between runs."""
+    summary = {}
+    for name, t in times.items():
+        ratios = [x / b - 1 for x, b in zip(t, times[base], strict=True)]
+        q1, q2, q3 = np.percentile(ratios, [25, 50, 75])
+        summary[name] = {
+            "median_s": float(np.median(t)),
+            "overhead": float(q2),
+            "overhead_iqr": [float(q1), float(q3)],
+        }
+    return summary
 
 
 def train_step_fns(model: GPTConfig, batch_size: int, variants: dict = VARIANTS) -> dict:
@@ -116,18 +139,25 @@ def main() -> None:
         with console.status(f"compiling {what} variants"):
             fns = make(model, args.batch_size)
         with console.status(f"timing {what} ({args.rounds} interleaved rounds)"):
-            results[what] = interleaved_medians(fns, args.rounds, args.inner)
+            results[what] = overheads(interleaved_times(fns, args.rounds, args.inner))
     table = Table(
         title=f"ABFT overhead, {args.size} GPT {model}, batch {args.batch_size}, "
         f"{jax.default_backend()}"
     )
-    for col in ("workload", "variant", "median ms", "overhead"):
+    for col in ("workload", "variant", "median ms", "overhead", "IQR"):
         table.add_column(col, justify="left" if col in ("workload", "variant") else "right")
-    for what, medians in results.items():
-        base = medians["unprotected"]
-        for name, t in medians.items():
-            table.add_row(what, name, f"{t * 1e3:.2f}", f"{(t / base - 1) * 100:+.1f}%")
+    for what, summary in results.items():
+        for name, r in summary.items():
+            q1, q3 = r["overhead_iqr"]
+            table.add_row(
+                what,
+                name,
+                f"{r['median_s'] * 1e3:.2f}",
+                f"{r['overhead'] * 100:+.1f}%",
+                f"{q1 * 100:+.1f}..{q3 * 100:+.1f}%",
+            )
     console.print(table)
+    console.print("overhead: median over rounds of the per-round ratio to unprotected")
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "size": args.size,
@@ -136,10 +166,9 @@ def main() -> None:
         "backend": jax.default_backend(),
         "device": jax.devices()[0].device_kind,
         "rounds": args.rounds,
-        "median_seconds": results,
-        "overhead": {
-            what: {k: v / m["unprotected"] - 1 for k, v in m.items()} for what, m in results.items()
-        },
+        "inner": args.inner,
+        "command": " ".join(["python", *sys.argv]),
+        "results": results,
     }
     out.write_text(json.dumps(payload, indent=1))
     console.print(f"wrote {out}")
