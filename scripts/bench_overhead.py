@@ -6,7 +6,7 @@ process; an overhead is the median over rounds of the per-round ratio to the unp
 
     python scripts/bench_overhead.py                 # bench-size GPT (d_model 256, seq 256)
     python scripts/bench_overhead.py --size default  # the tiny default GPT
-    python scripts/bench_overhead.py --per-site      # forward overhead of each site alone
+    python scripts/bench_overhead.py --per-site      # each site alone, and fwd vs fwd+bwd
 """
 
 from __future__ import annotations
@@ -47,6 +47,12 @@ PER_SITE_VARIANTS = {
     "scores (fwd)": ABFTConfig(sites=("scores",), backward=False),
     "probs": ABFTConfig(sites=("probs",), backward=False),
     "context (fwd)": ABFTConfig(sites=("context",), backward=False),
+    # Where the backward checks' cost goes: compare each with its forward-only row.
+    "projections (fwd+bwd)": ABFTConfig(sites=("query", "key", "value", "out")),
+    "scores, probs, context (fwd)": ABFTConfig(
+        sites=("scores", "probs", "context"), backward=False
+    ),
+    "scores, probs, context (fwd+bwd)": ABFTConfig(sites=("scores", "probs", "context")),
 }
 
 
