@@ -164,8 +164,14 @@ _FIRST_REASON_COUNT = len(_COUNTERS)  # then one count per Reason, in Reason ord
 _STATISTICS = ("grad_norm", "grad_norm_mean", "grad_norm_var", "loss_mean", "loss_var")
 
 
-def _at(name: str) -> int:
-    return _COUNTERS.index(name) if name in _COUNTERS else _STATISTICS.index(name)
+def _counter(name: str, doc: str) -> property:
+    i = _COUNTERS.index(name)
+    return property(lambda self: self.counters[i], doc=doc)
+
+
+def _statistic(name: str, doc: str) -> property:
+    i = _STATISTICS.index(name)
+    return property(lambda self: self.statistics[i], doc=doc)
 
 
 class GuardState(NamedTuple):
@@ -196,21 +202,12 @@ class GuardState(NamedTuple):
     counters: jax.Array
     statistics: jax.Array
 
-    @property
-    def steps(self) -> jax.Array:
-        return self.counters[_at("steps")]
-
-    @property
-    def refused(self) -> jax.Array:
-        return self.counters[_at("refused")]
-
-    @property
-    def consecutive(self) -> jax.Array:
-        return self.counters[_at("consecutive")]
-
-    @property
-    def reason(self) -> jax.Array:
-        return self.counters[_at("reason")]
+    steps = _counter("steps", "updates seen, accepted or refused")
+    refused = _counter("refused", "updates refused so far")
+    consecutive = _counter("consecutive", "refusals in a row ending with the last update")
+    reason = _counter("reason", "Reason mask of the last update (0: accepted)")
+    odd_replica = _counter("odd_replica", "the replica that disagreed at the last update, or -1")
+    grad_norm = _statistic("grad_norm", "global gradient norm of the last update")
 
     @property
     def reason_counts(self) -> jax.Array:
@@ -218,30 +215,21 @@ class GuardState(NamedTuple):
 
     @property
     def rollback_needed(self) -> jax.Array:
-        return self.counters[_at("rollback_needed")] != 0
-
-    @property
-    def odd_replica(self) -> jax.Array:
-        return self.counters[_at("odd_replica")]
-
-    @property
-    def grad_norm(self) -> jax.Array:
-        return self.statistics[_at("grad_norm")]
+        return self.counters[_COUNTERS.index("rollback_needed")] != 0
 
     @property
     def grad_norm_stats(self) -> RollingStats:
-        return RollingStats(
-            mean=self.statistics[_at("grad_norm_mean")],
-            var=self.statistics[_at("grad_norm_var")],
-            count=self.counters[_at("grad_norm_count")],
-        )
+        return self._rolling("grad_norm")
 
     @property
     def loss_stats(self) -> RollingStats:
+        return self._rolling("loss")
+
+    def _rolling(self, name: str) -> RollingStats:
         return RollingStats(
-            mean=self.statistics[_at("loss_mean")],
-            var=self.statistics[_at("loss_var")],
-            count=self.counters[_at("loss_count")],
+            mean=self.statistics[_STATISTICS.index(f"{name}_mean")],
+            var=self.statistics[_STATISTICS.index(f"{name}_var")],
+            count=self.counters[_COUNTERS.index(f"{name}_count")],
         )
 
 
