@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 from rich.console import Console
 from rich.table import Table
+from timing import interleaved, per_call
 
 from sdcguard.models import GPT, ByteBatches, GPTConfig, init_params, lm_loss
 from sdcguard.optim import describe, refuse_corrupted
@@ -93,24 +94,7 @@ def update_seconds(tx, params, grads, *, guarded: bool, calls: int):
 
     state = tx.init(params)
     jax.block_until_ready(update(grads, state, params))  # compile
-
-    def run() -> float:
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = update(grads, state, params)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - start) / calls
-
-    return run
-
-
-def interleaved(timers: dict, repeats: int) -> dict[str, list[float]]:
-    """Seconds from each zero-argument timer, ``repeats`` times, the order alternating."""
-    seconds = {name: [] for name in timers}
-    for r in range(repeats):
-        for name in list(timers) if r % 2 == 0 else list(reversed(timers)):
-            seconds[name].append(timers[name]())
-    return seconds
+    return per_call(lambda: update(grads, state, params), calls)
 
 
 def environment() -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import flax.linen as nn
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from timing import interleaved, per_call
 
 from sdcguard import linen as sl
 from sdcguard.abft import ABFTConfig
@@ -54,23 +54,6 @@ PER_SITE_VARIANTS = {
     ),
     "scores, probs, context (fwd+bwd)": ABFTConfig(sites=("scores", "probs", "context")),
 }
-
-
-def interleaved_times(fns: dict, rounds: int, inner: int) -> dict[str, list[float]]:
-    """Seconds per call of each function, one entry per round.
-
-    Every round runs each function ``inner`` times, in an order that reverses every round, so
-    a drift in machine load hits all variants alike.
-    """
-    times = {name: [] for name in fns}
-    for r in range(rounds):
-        for name in list(fns) if r % 2 == 0 else list(reversed(fns)):
-            start = time.perf_counter()
-            for _ in range(inner):
-                out = fns[name]()
-            jax.block_until_ready(out)
-            times[name].append((time.perf_counter() - start) / inner)
-    return times
 
 
 def overheads(times: dict[str, list[float]], base: str = "unprotected") -> dict[str, dict]:
@@ -151,7 +134,8 @@ def main() -> None:
         with console.status(f"compiling {what} variants"):
             fns = make(model, args.batch_size)
         with console.status(f"timing {what} ({args.rounds} interleaved rounds)"):
-            results[what] = overheads(interleaved_times(fns, args.rounds, args.inner))
+            timers = {name: per_call(fn, args.inner) for name, fn in fns.items()}
+            results[what] = overheads(interleaved(timers, args.rounds))
     table = Table(
         title=f"ABFT overhead, {args.size} GPT {model}, batch {args.batch_size}, "
         f"{jax.default_backend()}"
