@@ -288,10 +288,10 @@ def _contract_with_line_sums(
 
     For rows, ``x`` is A and ``other`` is B: ``ref = A(Be)``, and the magnitude bounds
     ``|A|(|B|e)``, the quantity every rounding error of the line is proportional to. When
-    ``x``'s batch axes lead its layout the products are batched matrix-vector dots; otherwise
-    they are elementwise products and reductions in ``x``'s own layout, because XLA on the CPU
-    lowers such a dot with a transpose of ``x`` or, for some layouts, a naive loop (measured 17x
-    slower than the GEMM it checks).
+    ``x``'s batch axes lead its layout and one axis is contracted, the products are batched
+    matrix-vector dots; otherwise they are elementwise products and reductions in ``x``'s own
+    layout, because XLA on the CPU lowers such a dot with a transpose of ``x`` or, for some
+    layouts, a naive loop (measured up to 17x slower than the GEMM it checks).
 
     The magnitude is exact (``x · |B|e``) when ``x`` is known to be non-negative (softmax
     probabilities); otherwise it is the Cauchy-Schwarz bound ``‖x‖₂ ‖|B|e‖₂``, because a
@@ -314,9 +314,14 @@ def _contract_with_line_sums(
         shape = [x.shape[i] if c in v_letters else 1 for i, c in enumerate(x_letters)]
         return jnp.transpose(t, [v_letters.index(c) for c in order]).reshape(shape)
 
-    # A dot reads x once; XLA:CPU writes the elementwise product out before reducing it
-    # (measured 2-3x slower on the bench GPT's scores gradient).
-    as_dot = x_letters.startswith("".join(c for c in x_letters if c in ct.batch))
+    # XLA:CPU runs a matrix-vector dot fast only as a plain batched GEMV: x's batch axes leading
+    # and one contracted axis (then it beats the elementwise product and reduction 2-3x on the
+    # bench GPT's scores gradient). Over two contracted axes (a projection's heads and
+    # head_dim, or its batch and sequence) the dot is 3-5x slower than the product and
+    # reduction, which XLA fuses into one pass over x (scripts/bench_overhead.py: 2% of the
+    # bench GPT's training step).
+    batch_leads = x_letters.startswith("".join(c for c in x_letters if c in ct.batch))
+    as_dot = len(ct.contracted) == 1 and batch_leads
 
     def line_products(t):
         if as_dot:

@@ -11,6 +11,7 @@ from tolerances import assert_close
 from sdcguard.abft import (
     ABFTConfig,
     Contraction,
+    _in_dot_order,
     check_contraction,
     check_softmax_rows,
     checked_dot_general,
@@ -215,6 +216,45 @@ def test_threshold_is_above_measured_roundoff():
         gamma = roundoff_gamma(out_dtype=jnp.float32, contraction=256, line=64)
         ratios.append(float(jnp.min(gamma * bound / jnp.maximum(dev, 1e-30))))
     assert min(ratios) > 1.0
+
+
+# Every GEMM of the attention layer, forward and backward, in the output order it is checked in:
+# the row checksums take a dot or an elementwise product and reduction depending on the layout.
+ATTENTION_GEMMS = {
+    "projection": "bqD,Dhd->bqhd",
+    "out": "bqhd,hdD->bqD",
+    "scores": "bqhd,bkhd->bhqk",
+    "context": "bhqk,bkhd->bqhd",
+}
+ATTENTION_DIMS = {"b": 2, "q": 8, "k": 8, "h": 2, "d": 4, "D": 6}
+
+
+@pytest.mark.parametrize("gemm", list(ATTENTION_GEMMS))
+@pytest.mark.parametrize("which", ["forward", "grad_lhs", "grad_rhs"])
+def test_row_checksums_of_every_attention_gemm_match_the_definition(gemm, which):
+    """``ref`` is A(Be) and the threshold covers gamma * |A|(|B|e), whichever code path runs."""
+    forward = Contraction.parse(ATTENTION_GEMMS[gemm], 4, 4)
+    ct = {"forward": forward, "grad_lhs": forward.grad_lhs(), "grad_rhs": forward.grad_rhs()}
+    ct = _in_dot_order(ct[which])
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, [ATTENTION_DIMS[x] for x in ct.lhs])
+    b = jax.random.normal(kb, [ATTENTION_DIMS[x] for x in ct.rhs])
+    c = jnp.einsum(ct.spec, a, b, precision="highest")
+    rows = line_checksums(c, a, b, ct, "row")
+
+    row_term = ct.without(ct.rhs_free)
+    row_spec = f"{ct.lhs},{ct.rhs}->{row_term}"
+    ref = jnp.einsum(row_spec, a, b, precision="highest")
+    magnitude = jnp.einsum(row_spec, jnp.abs(a), jnp.abs(b), precision="highest")
+    k = int(np.prod([ATTENTION_DIMS[x] for x in ct.contracted]))
+    line = int(np.prod([ATTENTION_DIMS[x] for x in ct.rhs_free]))
+    gamma = roundoff_gamma(out_dtype=jnp.float32, contraction=k, line=line)
+    assert rows.ref.shape == ref.shape
+    assert_close(rows.ref, ref, jnp.float32)
+    # Cauchy-Schwarz bounds the exact magnitude from above; 1e-6 allows the float32 rounding
+    # of the two sides of the comparison.
+    assert bool(jnp.all(rows.threshold >= gamma * magnitude * (1 - 1e-6)))
+    assert bool(jnp.all(rows.deviation <= rows.threshold))
 
 
 # --- A non-negative left operand (softmax probabilities): exact magnitude, same guarantees. ---
