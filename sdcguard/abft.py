@@ -442,43 +442,6 @@ def check_contraction(
       ``(c_checked, counts)``: ``c`` with located errors corrected (unchanged when clean), and
       int32 ``[detected, corrected, uncorrectable]`` counted over the batch of matrices.
     """
-    flagged, repair = detect(
-        c,
-        a,
-        b,
-        contraction,
-        config=config,
-        precision=precision,
-        lhs_nonnegative=lhs_nonnegative,
-    )
-    return repair_if(flagged, repair, c)
-
-
-def detect(
-    c: jax.Array,
-    a: jax.Array,
-    b: jax.Array,
-    contraction: Contraction,
-    *,
-    config: ABFTConfig,
-    precision=None,
-    lhs_nonnegative: bool = False,
-):
-    """The clean-path half of :func:`check_contraction`: whether any row failed its check.
-
-    Args:
-      c: the computed output (possibly corrupted), letters ``contraction.out``.
-      a, b: the inputs, letters ``contraction.lhs`` / ``contraction.rhs``.
-      contraction: the parsed einsum.
-      config: thresholds and whether to correct.
-      precision: the precision of the GEMM (for the input-rounding term of the tolerance).
-      lhs_nonnegative: ``a >= 0`` elementwise on clean data (see :func:`checked_einsum`).
-
-    Returns:
-      ``(flagged, repair)``: a bool scalar, and the rare path ``c -> (c_checked, counts)`` for
-      :func:`repair_if`. On a clean ``c`` the repair is the identity with zero counts, so
-      several checks may share one :func:`repair_if` (flagged if any of them is).
-    """
     ct = contraction
     # Detection needs one side: an error in C changes the sum of its row. The column checksums
     # that locate it are encoded only when a row is flagged, so the clean path reads C once.
@@ -555,7 +518,7 @@ def detect(
         ).astype(jnp.int32)
         return fixed.astype(c.dtype), counts
 
-    return flagged_any, locate_and_correct
+    return repair_if(flagged_any, locate_and_correct, c)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
@@ -659,74 +622,40 @@ def _as_stored(x: jax.Array) -> jax.Array:
     return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
-class _Gemm(NamedTuple):
-    """One GEMM of a checked einsum: the forward product or one of its two gradients."""
-
-    contraction: Contraction
-    lhs: jax.Array
-    rhs: jax.Array
-    site: str
-    lhs_nonnegative: bool = False
-
-
-def _gemms(st: _Static, gemms: tuple[_Gemm, ...], plan, check: bool):
-    """Computes, injects into and checks ``gemms``; one repair loop serves all of them.
-
-    Returns:
-      Per GEMM, ``(out, counts)`` with ``out`` in its einsum's order.
-    """
+def _gemm(st: _Static, ct: Contraction, a, b, plan, site: str, check: bool, lhs_nonnegative: bool):
     if st.config.resolved_implementation() == "pallas":
         from sdcguard.pallas import matmul as pallas_matmul  # lazy: Pallas is a heavy import
 
-        return [
-            pallas_matmul.checked_contraction(
-                gemm.lhs,
-                gemm.rhs,
-                gemm.contraction,
-                config=st.config,
-                site=gemm.site,
-                plan=plan,
-                check=check,
-                precision=st.precision,
-                preferred_element_type=st.preferred_element_type,
-            )
-            for gemm in gemms
-        ]
-    products, flags, repairs, orders = [], [], [], []
-    for gemm in gemms:
-        ct = gemm.contraction
-        a, b = _as_stored(gemm.lhs), _as_stored(gemm.rhs)
-        # Injected into, checked and repaired in the dot's own output order, and transposed to
-        # the einsum's order only after the repair loop: a transposed GEMM output entering the
-        # loop would be copied into the loop's layout (4 copies of 2 MB per layer of the bench
-        # GPT).
-        stored = _in_dot_order(ct)
-        c = _dot(st, stored, a, b)
-        products.append(inject.apply(c, plan, gemm.site, axes=tuple(map(ct.out.index, stored.out))))
-        orders.append([stored.out.index(x) for x in ct.out])
-        if check:
-            flagged, repair = detect(
-                products[-1],
-                a,
-                b,
-                stored,
-                config=st.config,
-                precision=st.precision,
-                lhs_nonnegative=gemm.lhs_nonnegative,
-            )
-            flags.append(flagged)
-            repairs.append(repair)
-    checked = [(c, zero_counts()) for c in products]
-    if check:
-        # Each repair is the identity on a clean product, so the GEMMs of one einsum's backward
-        # share a loop: every repair loop is a point where the step waits for its checks.
-        checked = apply_if(
-            functools.reduce(jnp.logical_or, flags),
-            lambda pairs: [repair(c) for repair, (c, _) in zip(repairs, pairs, strict=True)],
-            checked,
+        return pallas_matmul.checked_contraction(
+            a,
+            b,
+            ct,
+            config=st.config,
+            site=site,
+            plan=plan,
+            check=check,
+            precision=st.precision,
+            preferred_element_type=st.preferred_element_type,
         )
-    pairs = zip(checked, orders, strict=True)
-    return [(jnp.transpose(c, order), counts) for (c, counts), order in pairs]
+    a, b = _as_stored(a), _as_stored(b)
+    # Injected into, checked and repaired in the dot's own output order, and transposed to the
+    # einsum's order only after the repair loop: a transposed GEMM output entering the loop
+    # would be copied into the loop's layout (4 copies of 2 MB per layer of the bench GPT).
+    stored = _in_dot_order(ct)
+    c = _dot(st, stored, a, b)
+    c = inject.apply(c, plan, site, axes=tuple(ct.out.index(x) for x in stored.out))
+    counts = zero_counts()
+    if check:
+        c, counts = check_contraction(
+            c,
+            a,
+            b,
+            stored,
+            config=st.config,
+            precision=st.precision,
+            lhs_nonnegative=lhs_nonnegative,
+        )
+    return jnp.transpose(c, [stored.out.index(x) for x in ct.out]), counts
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -736,26 +665,21 @@ def _checked(st: _Static, a, b, plan, sink):
 
 def _checked_fwd(st, a, b, plan, sink):
     del sink
-    gemm = _Gemm(st.contraction, a, b, st.site, st.lhs_nonnegative)
-    [out] = _gemms(st, (gemm,), plan, st.config.forward)
+    out = _gemm(st, st.contraction, a, b, plan, st.site, st.config.forward, st.lhs_nonnegative)
     return out, (a, b, plan)
 
 
 def _checked_bwd(st, residuals, cotangents):
     a, b, plan = residuals
     g, _ = cotangents
+    check = st.config.backward
     ct = st.contraction
     # The correction is an identity for autodiff: the gradients are those of the clean einsum,
     # and the two gradient GEMMs are checked (and injected into) like any other.
     # dA = g·Bᵀ has g on the left; dB = Aᵀ·g keeps A on the left, non-negative or not.
-    (ga, counts_a), (gb, counts_b) = _gemms(
-        st,
-        (
-            _Gemm(ct.grad_lhs(), g, b, st.site + ".grad_lhs"),
-            _Gemm(ct.grad_rhs(), a, g, st.site + ".grad_rhs", st.lhs_nonnegative),
-        ),
-        plan,
-        st.config.backward,
+    ga, counts_a = _gemm(st, ct.grad_lhs(), g, b, plan, st.site + ".grad_lhs", check, False)
+    gb, counts_b = _gemm(
+        st, ct.grad_rhs(), a, g, plan, st.site + ".grad_rhs", check, st.lhs_nonnegative
     )
     sink_cotangent = jnp.stack([counts_a, counts_b]).astype(jnp.float32)
     return ga.astype(a.dtype), gb.astype(b.dtype), None, sink_cotangent

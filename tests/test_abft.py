@@ -16,7 +16,6 @@ from sdcguard.abft import (
     check_softmax_rows,
     checked_dot_general,
     checked_einsum,
-    detect,
     dot_general_to_einsum,
     line_checksums,
     repair_if,
@@ -129,10 +128,6 @@ def test_backward_gemms_checked_and_corrected(dtype, which):
     np.testing.assert_array_equal(gsink[1 - row], [0, 0, 0])
     assert_close(ga, ref_a, dtype)
     assert_close(gb, ref_b, dtype)
-    # Both gradients share one repair loop: the clean one comes out bit-identical.
-    clean = jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b, jnp.zeros((2, 3)), FaultPlan.none())
-    untouched, clean_untouched = (gb, clean[1]) if which == "grad_lhs" else (ga, clean[0])
-    np.testing.assert_array_equal(np.asarray(untouched), np.asarray(clean_untouched))
 
 
 def test_dot_general_matches_lax():
@@ -333,20 +328,6 @@ def test_bf16_flip_that_zeroes_a_unit_sized_value_is_detected():
     )
     np.testing.assert_array_equal(counts, [1, 1, 0])
     assert_close(out, clean, jnp.bfloat16)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("correct", [True, False])
-def test_repair_of_a_clean_product_is_the_identity(dtype, correct):
-    """What lets several checks share one repair loop: a clean product passes unchanged."""
-    a, b = operands(dtype)
-    c = jnp.einsum(SPEC, a, b)
-    config = ABFTConfig(correct=correct)
-    flagged, repair = detect(c, a, b, Contraction.parse(SPEC, 4, 4), config=config)
-    fixed, counts = jax.jit(repair)(c)
-    assert not bool(flagged)
-    np.testing.assert_array_equal(np.asarray(fixed), np.asarray(c))
-    np.testing.assert_array_equal(counts, [0, 0, 0])
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["jit", "vmap"])
