@@ -128,6 +128,10 @@ def test_backward_gemms_checked_and_corrected(dtype, which):
     np.testing.assert_array_equal(gsink[1 - row], [0, 0, 0])
     assert_close(ga, ref_a, dtype)
     assert_close(gb, ref_b, dtype)
+    # The other gradient GEMM is untouched by the repair: bit-identical to a fault-free run.
+    clean = jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b, jnp.zeros((2, 3)), FaultPlan.none())
+    untouched, clean_untouched = (gb, clean[1]) if which == "grad_lhs" else (ga, clean[0])
+    np.testing.assert_array_equal(np.asarray(untouched), np.asarray(clean_untouched))
 
 
 def test_dot_general_matches_lax():
