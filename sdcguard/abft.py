@@ -282,7 +282,15 @@ class LineChecksums(NamedTuple):
 
 
 def _contract_with_line_sums(
-    x, x_letters, other, other_letters, ct, summed_letters, *, x_nonnegative: bool = False
+    x,
+    x_letters,
+    other,
+    other_letters,
+    ct,
+    summed_letters,
+    *,
+    x_nonnegative: bool = False,
+    as_dot: bool | None = None,
 ):
     """One side's checksum ``ref = Σ_contracted x · (Σ_summed other)`` and its magnitude.
 
@@ -296,6 +304,9 @@ def _contract_with_line_sums(
     The magnitude is exact (``x · |B|e``) when ``x`` is known to be non-negative (softmax
     probabilities); otherwise it is the Cauchy-Schwarz bound ``‖x‖₂ ‖|B|e‖₂``, because a
     reduction of squares is several times cheaper than one of absolute values on XLA:CPU.
+
+    ``as_dot`` forces one formulation of the products (None: the faster one for the layout;
+    ``scripts/bench_checksum_products.py`` times both).
 
     Returns:
       ``(ref, magnitude)``, float32, letters ``ct.without(summed_letters)``.
@@ -315,13 +326,13 @@ def _contract_with_line_sums(
         return jnp.transpose(t, [v_letters.index(c) for c in order]).reshape(shape)
 
     # XLA:CPU runs a matrix-vector dot fast only as a plain batched GEMV: x's batch axes leading
-    # and one contracted axis (then it beats the elementwise product and reduction 2-3x on the
-    # bench GPT's scores gradient). Over two contracted axes (a projection's heads and
-    # head_dim, or its batch and sequence) the dot is 3-5x slower than the product and
-    # reduction, which XLA fuses into one pass over x (scripts/bench_overhead.py: 2% of the
-    # bench GPT's training step).
-    batch_leads = x_letters.startswith("".join(c for c in x_letters if c in ct.batch))
-    as_dot = len(ct.contracted) == 1 and batch_leads
+    # and one contracted axis (then it beats the elementwise product and reduction 1.5-2x).
+    # Over two contracted axes (a projection's heads and head_dim, or its batch and sequence)
+    # the dot is 1.6-3x slower than the product and reduction, which XLA fuses into one pass
+    # over x (scripts/bench_checksum_products.py, the bench GPT's 12 attention GEMMs).
+    if as_dot is None:
+        batch_leads = x_letters.startswith("".join(c for c in x_letters if c in ct.batch))
+        as_dot = len(ct.contracted) == 1 and batch_leads
 
     def line_products(t):
         if as_dot:
