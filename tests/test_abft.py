@@ -11,6 +11,7 @@ from tolerances import assert_close
 from sdcguard.abft import (
     ABFTConfig,
     Contraction,
+    _contract_with_line_sums,
     _in_dot_order,
     check_contraction,
     check_softmax_rows,
@@ -259,6 +260,25 @@ def test_row_checksums_of_every_attention_gemm_match_the_definition(gemm, which)
     # of the two sides of the comparison.
     assert bool(jnp.all(rows.threshold >= gamma * magnitude * (1 - 1e-6)))
     assert bool(jnp.all(rows.deviation <= rows.threshold))
+
+
+@pytest.mark.parametrize("gemm", list(ATTENTION_GEMMS))
+@pytest.mark.parametrize("which", ["forward", "grad_lhs", "grad_rhs"])
+def test_dot_and_reduction_formulations_of_the_checksums_agree(gemm, which):
+    """Both ways of forming ``A(Be)`` and its magnitude give the same numbers (the library
+    picks one per layout for speed; ``scripts/bench_checksum_products.py`` times both)."""
+    forward = Contraction.parse(ATTENTION_GEMMS[gemm], 4, 4)
+    ct = {"forward": forward, "grad_lhs": forward.grad_lhs(), "grad_rhs": forward.grad_rhs()}
+    ct = _in_dot_order(ct[which])
+    ka, kb = jax.random.split(jax.random.key(1))
+    a = jax.random.normal(ka, [ATTENTION_DIMS[x] for x in ct.lhs])
+    b = jax.random.normal(kb, [ATTENTION_DIMS[x] for x in ct.rhs])
+    by_dot, by_reduction = (
+        _contract_with_line_sums(a, ct.lhs, b, ct.rhs, ct, ct.rhs_free, as_dot=as_dot)
+        for as_dot in (True, False)
+    )
+    for x, y in zip(by_dot, by_reduction, strict=True):
+        assert_close(x, y, jnp.float32)
 
 
 # --- A non-negative left operand (softmax probabilities): exact magnitude, same guarantees. ---
