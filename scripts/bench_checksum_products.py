@@ -36,7 +36,7 @@ GEMMS = {
 DIMS = {"b": 8, "q": 256, "k": 256, "h": 4, "d": 64, "D": 256}  # the bench GPT
 
 
-def row_products(ct: abft.Contraction, x, other, *, as_dot: bool | None):
+def row_products(ct: abft.Contraction, x, other, *, as_dot: bool):
     """``A(Be)`` and its magnitude for the rows of ``ct`` (the clean-path checksum work)."""
     return abft._contract_with_line_sums(x, ct.lhs, other, ct.rhs, ct, ct.rhs_free, as_dot=as_dot)
 
@@ -63,8 +63,7 @@ def main() -> None:
             b = jax.random.normal(key_b, [DIMS[c] for c in ct.rhs])
             gemm = f"{name} {which}"
             layouts[gemm] = f"{ct.lhs}, contracted {ct.contracted}"
-            picked = jax.make_jaxpr(lambda a, b, ct=ct: row_products(ct, a, b, as_dot=None))(a, b)
-            chosen[gemm] = "dot" if "dot_general" in str(picked) else "reduction"
+            chosen[gemm] = "dot" if abft.products_as_dot(ct.lhs, ct) else "reduction"
             for how, as_dot in (("dot", True), ("reduction", False)):
                 fn = functools.partial(row_products, ct, as_dot=as_dot)
                 compiled = jax.jit(fn).lower(a, b).compile()

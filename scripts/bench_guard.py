@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from rich.console import Console
 from rich.table import Table
-from timing import interleaved, per_call
+from timing import interleaved, overheads, per_call
 
 from sdcguard.models import GPT, ByteBatches, GPTConfig, init_params, lm_loss
 from sdcguard.optim import describe, refuse_corrupted
@@ -145,12 +145,12 @@ def main(argv=None) -> dict:
 
     per_step = interleaved({name: step_timer(name) for name in variants}, args.repeats)
 
-    def median_ratio(name):
-        pairs = zip(per_step[name], per_step["unguarded"], strict=True)
-        return statistics.median(g / u for g, u in pairs)
+    summary = overheads(per_step, base="unguarded")
 
-    ratios = [g / u for g, u in zip(per_step["guarded"], per_step["unguarded"], strict=True)]
-    med = {name: statistics.median(v) for name, v in per_step.items()}
+    def median_ratio(name):
+        return 1 + summary[name]["overhead"]
+
+    med = {name: summary[name]["median_s"] for name in variants}
 
     grads = jax.grad(loss_fn, argnums=1)(model, params, batches[0])
     updates = {
@@ -167,9 +167,9 @@ def main(argv=None) -> dict:
         "repeats": args.repeats,
         "median_step_s": med,
         "ratio_of_medians": med["guarded"] / med["unguarded"],
-        "median_ratio": statistics.median(ratios),
+        "median_ratio": median_ratio("guarded"),
         "median_ratio_per_variant": {name: median_ratio(name) for name in variants},
-        "ratio_iqr": [statistics.quantiles(ratios, n=4)[0], statistics.quantiles(ratios, n=4)[2]],
+        "ratio_iqr": [1 + q for q in summary["guarded"]["overhead_iqr"]],
         "median_update_s": update_med,
         "guard_share_of_step": guard_share,
         "guard_state": describe(carries["guarded"][1]),

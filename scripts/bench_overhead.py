@@ -19,10 +19,9 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from rich.console import Console
 from rich.table import Table
-from timing import interleaved, per_call
+from timing import interleaved, overheads, per_call
 
 from sdcguard import linen as sl
 from sdcguard.abft import ABFTConfig
@@ -54,28 +53,6 @@ PER_SITE_VARIANTS = {
     ),
     "scores, probs, context (fwd+bwd)": ABFTConfig(sites=("scores", "probs", "context")),
 }
-
-
-def overheads(times: dict[str, list[float]], base: str = "unprotected") -> dict[str, dict]:
-    """Per variant: the median time, the median and quartiles of its per-round ratio to
-    ``base``, and the ratio of the fastest rounds.
-
-    Ratios within a round cancel the machine's slow drifts, which on a shared machine move a
-    ratio of medians by several percent between runs; time stolen by other tenants only ever
-    adds, so the fastest round of each variant is the least disturbed estimate of its cost.
-    """
-    summary = {}
-    for name, t in times.items():
-        ratios = [x / b - 1 for x, b in zip(t, times[base], strict=True)]
-        q1, q2, q3 = np.percentile(ratios, [25, 50, 75])
-        summary[name] = {
-            "median_s": float(np.median(t)),
-            "min_s": float(np.min(t)),
-            "overhead": float(q2),
-            "overhead_iqr": [float(q1), float(q3)],
-            "overhead_of_fastest": float(np.min(t) / np.min(times[base]) - 1),
-        }
-    return summary
 
 
 def train_step_fns(model: GPTConfig, batch_size: int, variants: dict = VARIANTS) -> dict:
@@ -135,7 +112,7 @@ def main() -> None:
             fns = make(model, args.batch_size)
         with console.status(f"timing {what} ({args.rounds} interleaved rounds)"):
             timers = {name: per_call(fn, args.inner) for name, fn in fns.items()}
-            results[what] = overheads(interleaved(timers, args.rounds))
+            results[what] = overheads(interleaved(timers, args.rounds), base="unprotected")
     table = Table(
         title=f"ABFT overhead, {args.size} GPT {model}, batch {args.batch_size}, "
         f"{jax.default_backend()}"

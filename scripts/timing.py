@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
 
 def interleaved(timers: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
@@ -32,3 +33,25 @@ def per_call(fn: Callable[[], object], calls: int) -> Callable[[], float]:
         return (time.perf_counter() - start) / calls
 
     return run
+
+
+def overheads(times: dict[str, list[float]], *, base: str) -> dict[str, dict]:
+    """Per variant: the median time, the median and quartiles of its per-round ratio to
+    ``base``, and the ratio of the fastest rounds.
+
+    Ratios within a round cancel the machine's slow drifts, which on a shared machine move a
+    ratio of medians by several percent between runs; time stolen by other tenants only ever
+    adds, so the fastest round of each variant is the least disturbed estimate of its cost.
+    """
+    summary = {}
+    for name, t in times.items():
+        ratios = [x / b - 1 for x, b in zip(t, times[base], strict=True)]
+        q1, q2, q3 = np.percentile(ratios, [25, 50, 75])
+        summary[name] = {
+            "median_s": float(np.median(t)),
+            "min_s": float(np.min(t)),
+            "overhead": float(q2),
+            "overhead_iqr": [float(q1), float(q3)],
+            "overhead_of_fastest": float(np.min(t) / np.min(times[base]) - 1),
+        }
+    return summary

@@ -281,6 +281,19 @@ class LineChecksums(NamedTuple):
     threshold: jax.Array  # the round-off bound of the deviation
 
 
+def products_as_dot(x_letters: str, ct: Contraction) -> bool:
+    """Whether the checksum products of ``x`` (letters ``x_letters``) run as a ``dot``.
+
+    XLA:CPU runs a matrix-vector dot fast only as a plain batched GEMV: x's batch axes leading
+    and one contracted axis (then it beats the elementwise product and reduction 1.5-2x). Over
+    two contracted axes (a projection's heads and head_dim, or its batch and sequence) the dot
+    is 1.6-3x slower than the product and reduction, which XLA fuses into one pass over x
+    (``scripts/bench_checksum_products.py``, the bench GPT's 12 attention GEMMs).
+    """
+    batch_leads = x_letters.startswith("".join(c for c in x_letters if c in ct.batch))
+    return len(ct.contracted) == 1 and batch_leads
+
+
 def _contract_with_line_sums(
     x,
     x_letters,
@@ -305,7 +318,7 @@ def _contract_with_line_sums(
     probabilities); otherwise it is the Cauchy-Schwarz bound ``‖x‖₂ ‖|B|e‖₂``, because a
     reduction of squares is several times cheaper than one of absolute values on XLA:CPU.
 
-    ``as_dot`` forces one formulation of the products (None: the faster one for the layout;
+    ``as_dot`` forces one formulation of the products (None: :func:`products_as_dot`;
     ``scripts/bench_checksum_products.py`` times both).
 
     Returns:
@@ -325,14 +338,8 @@ def _contract_with_line_sums(
         shape = [x.shape[i] if c in v_letters else 1 for i, c in enumerate(x_letters)]
         return jnp.transpose(t, [v_letters.index(c) for c in order]).reshape(shape)
 
-    # XLA:CPU runs a matrix-vector dot fast only as a plain batched GEMV: x's batch axes leading
-    # and one contracted axis (then it beats the elementwise product and reduction 1.5-2x).
-    # Over two contracted axes (a projection's heads and head_dim, or its batch and sequence)
-    # the dot is 1.6-3x slower than the product and reduction, which XLA fuses into one pass
-    # over x (scripts/bench_checksum_products.py, the bench GPT's 12 attention GEMMs).
     if as_dot is None:
-        batch_leads = x_letters.startswith("".join(c for c in x_letters if c in ct.batch))
-        as_dot = len(ct.contracted) == 1 and batch_leads
+        as_dot = products_as_dot(x_letters, ct)
 
     def line_products(t):
         if as_dot:

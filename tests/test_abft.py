@@ -234,16 +234,22 @@ ATTENTION_GEMMS = {
 ATTENTION_DIMS = {"b": 2, "q": 8, "k": 8, "h": 2, "d": 4, "D": 6}
 
 
+def attention_gemm(gemm, which, seed):
+    """The contraction of one attention GEMM in dot order, and random operands for it."""
+    forward = Contraction.parse(ATTENTION_GEMMS[gemm], 4, 4)
+    ct = {"forward": forward, "grad_lhs": forward.grad_lhs(), "grad_rhs": forward.grad_rhs()}
+    ct = _in_dot_order(ct[which])
+    ka, kb = jax.random.split(jax.random.key(seed))
+    a = jax.random.normal(ka, [ATTENTION_DIMS[x] for x in ct.lhs])
+    b = jax.random.normal(kb, [ATTENTION_DIMS[x] for x in ct.rhs])
+    return ct, a, b
+
+
 @pytest.mark.parametrize("gemm", list(ATTENTION_GEMMS))
 @pytest.mark.parametrize("which", ["forward", "grad_lhs", "grad_rhs"])
 def test_row_checksums_of_every_attention_gemm_match_the_definition(gemm, which):
     """``ref`` is A(Be) and the threshold covers gamma * |A|(|B|e), whichever code path runs."""
-    forward = Contraction.parse(ATTENTION_GEMMS[gemm], 4, 4)
-    ct = {"forward": forward, "grad_lhs": forward.grad_lhs(), "grad_rhs": forward.grad_rhs()}
-    ct = _in_dot_order(ct[which])
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, [ATTENTION_DIMS[x] for x in ct.lhs])
-    b = jax.random.normal(kb, [ATTENTION_DIMS[x] for x in ct.rhs])
+    ct, a, b = attention_gemm(gemm, which, seed=0)
     c = jnp.einsum(ct.spec, a, b, precision="highest")
     rows = line_checksums(c, a, b, ct, "row")
 
@@ -267,12 +273,7 @@ def test_row_checksums_of_every_attention_gemm_match_the_definition(gemm, which)
 def test_dot_and_reduction_formulations_of_the_checksums_agree(gemm, which):
     """Both ways of forming ``A(Be)`` and its magnitude give the same numbers (the library
     picks one per layout for speed; ``scripts/bench_checksum_products.py`` times both)."""
-    forward = Contraction.parse(ATTENTION_GEMMS[gemm], 4, 4)
-    ct = {"forward": forward, "grad_lhs": forward.grad_lhs(), "grad_rhs": forward.grad_rhs()}
-    ct = _in_dot_order(ct[which])
-    ka, kb = jax.random.split(jax.random.key(1))
-    a = jax.random.normal(ka, [ATTENTION_DIMS[x] for x in ct.lhs])
-    b = jax.random.normal(kb, [ATTENTION_DIMS[x] for x in ct.rhs])
+    ct, a, b = attention_gemm(gemm, which, seed=1)
     by_dot, by_reduction = (
         _contract_with_line_sums(a, ct.lhs, b, ct.rhs, ct, ct.rhs_free, as_dot=as_dot)
         for as_dot in (True, False)
