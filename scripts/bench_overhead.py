@@ -37,6 +37,14 @@ VARIANTS = {
     "unprotected": None,
     "forward checked": ABFTConfig(backward=False),
     "forward+backward checked": ABFTConfig(),
+    # The same checks with no repair loops: what the in-place repair costs on a clean step.
+    "forward+backward, detect only": ABFTConfig(correct=False),
+}
+# Training step only: detection-only checks, the step recomputed with in-place repair when one
+# fires (sdcguard.training.TrainConfig.repair).
+TRAIN_VARIANTS = {
+    **VARIANTS,
+    "forward+backward, recompute on detection": (ABFTConfig(), "recompute"),
 }
 # --per-site: where the forward overhead goes.
 PER_SITE_VARIANTS = {
@@ -55,12 +63,15 @@ PER_SITE_VARIANTS = {
 }
 
 
-def train_step_fns(model: GPTConfig, batch_size: int, variants: dict = VARIANTS) -> dict:
+def train_step_fns(model: GPTConfig, batch_size: int, variants: dict = TRAIN_VARIANTS) -> dict:
+    """Compiled steps; a variant is an ABFTConfig (or None), or ``(ABFTConfig, repair)``."""
     batch = ByteBatches(batch_size=batch_size, seq_len=model.seq_len).batch(0)
     plan = FaultPlan.none()
     fns = {}
-    for name, abft in variants.items():
-        state, step = make_train_step(TrainConfig(model=model, batch_size=batch_size, abft=abft))
+    for name, variant in variants.items():
+        abft, repair = variant if isinstance(variant, tuple) else (variant, "in_place")
+        config = TrainConfig(model=model, batch_size=batch_size, abft=abft, repair=repair)
+        state, step = make_train_step(config)
         compiled = step.lower(state, batch, plan).compile()
         fns[name] = lambda c=compiled, s=state: c(s, batch, plan)[1].loss
     return fns
@@ -71,17 +82,25 @@ def attention_fns(model: GPTConfig, batch_size: int) -> dict:
     mask = nn.make_causal_mask(jnp.ones((batch_size, model.seq_len)))
     layer = nn.MultiHeadDotProductAttention(num_heads=model.num_heads)
     params = layer.init(jax.random.key(1), x, mask=mask)["params"]
+    with sl.protect(ABFTConfig(sites=())):
+        sinks = layer.init(jax.random.key(1), x, mask=mask)["sdc_grad"]
     fns = {}
     for name, abft in VARIANTS.items():
 
-        def loss(params, x, abft=abft):
+        def loss(params, sinks, x, abft=abft):
             if abft is None:
-                return jnp.sum(layer.apply({"params": params}, x, mask=mask) ** 2)
+                return jnp.sum(layer.apply({"params": params}, x, mask=mask) ** 2), {}
+            # The counters are outputs, forward ('sdc') and backward (the sinks' gradient), as
+            # in a training step: a check whose result nobody reads would be compiled away.
             with sl.protect(abft):
-                return jnp.sum(layer.apply({"params": params}, x, mask=mask) ** 2)
+                out, sdc = layer.apply(
+                    {"params": params, "sdc_grad": sinks}, x, mask=mask, mutable=["sdc"]
+                )
+            return jnp.sum(out**2), sdc
 
-        compiled = jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
-        fns[name] = lambda c=compiled: c(params, x)[0]
+        grad_fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+        compiled = jax.jit(grad_fn).lower(params, sinks, x).compile()
+        fns[name] = lambda c=compiled: c(params, sinks, x)[0][0]
     return fns
 
 

@@ -57,8 +57,9 @@ class ABFTConfig:
         context, out``).
       forward: check the forward GEMMs.
       backward: check the two gradient GEMMs of every protected forward GEMM.
-      correct: correct located errors in place; if False, only detect (every detection is then
-        counted uncorrectable, since the error is passed on).
+      correct: correct located errors in place; if False, only detect: every detection is
+        counted uncorrectable (the error is passed on, for an update guard to refuse the step)
+        and no repair branch is compiled, so nothing downstream waits on a check.
       safety: multiplier on the round-off bound (1.0 is already a worst-case bound).
       near_inf: magnitude at and above which a value in a flagged line is located directly.
       implementation: ``'xla'`` (any backend), ``'pallas'`` (GPU kernels) or ``'auto'``.
@@ -529,13 +530,15 @@ def check_contraction(
 
         flagged = (n_rows > 0) | (n_cols > 0)
         repaired = flagged & (by_col | by_row | one_row | one_col)
-        if not config.correct:
-            fixed, repaired = c32, jnp.zeros_like(repaired)
         counts = jnp.stack(
             [jnp.sum(flagged), jnp.sum(repaired), jnp.sum(flagged & ~repaired)]
         ).astype(jnp.int32)
         return fixed.astype(c.dtype), counts
 
+    if not config.correct:
+        # Detection only: C is passed on as it is, so nothing waits on a repair loop.
+        flagged = jnp.sum(jnp.any(bad_row, axis=row_free))
+        return c, jnp.stack([flagged, jnp.zeros_like(flagged), flagged]).astype(jnp.int32)
     return repair_if(flagged_any, locate_and_correct, c)
 
 
@@ -570,18 +573,15 @@ def check_softmax_rows(
     )
     row_sum = jnp.sum(p32, axis=-1)
     bad = ~(jnp.abs(row_sum - 1.0) <= tol)  # NaN/inf rows fail too
-    flagged_any = jnp.any(bad)
+    n_bad = jnp.sum(jnp.any(bad.reshape(-1, bad.shape[-1]), axis=-1))  # matrices
+    if not config.correct:
+        return probs, jnp.stack([n_bad, jnp.zeros_like(n_bad), n_bad]).astype(jnp.int32)
 
     def fix(probs):
-        fresh = softmax(scores).astype(probs.dtype)
-        fixed = jnp.where(bad[..., None], fresh, probs) if config.correct else probs
-        per_matrix = jnp.any(bad.reshape(-1, bad.shape[-1]), axis=-1)
-        n_bad = jnp.sum(per_matrix)
-        repaired = n_bad if config.correct else jnp.zeros_like(n_bad)
-        counts = jnp.stack([n_bad, repaired, n_bad - repaired]).astype(jnp.int32)
-        return fixed, counts
+        fixed = jnp.where(bad[..., None], softmax(scores).astype(probs.dtype), probs)
+        return fixed, jnp.stack([n_bad, n_bad, jnp.zeros_like(n_bad)]).astype(jnp.int32)
 
-    return repair_if(flagged_any, fix, probs)
+    return repair_if(jnp.any(bad), fix, probs)
 
 
 @check_softmax_rows.defjvp

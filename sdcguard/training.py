@@ -25,6 +25,7 @@ import optax
 
 from sdcguard import inject, linen
 from sdcguard.abft import NUM_COUNTERS, ABFTConfig
+from sdcguard.in_place import apply_if
 from sdcguard.models import (
     GPT,
     Encoder,
@@ -37,6 +38,7 @@ from sdcguard.models import (
 
 UNCHECKED = ABFTConfig(sites=())  # layers swapped, injection points live, nothing checked
 MODEL_KINDS = ("gpt", "encoder")
+REPAIRS = ("in_place", "recompute")
 # The module holding the blocks of each model kind: attention sites are
 # ``{stack}/block_{i}/attn:...``.
 STACK_NAMES = {"gpt": "decoder", "encoder": "encoder"}
@@ -83,6 +85,13 @@ class TrainConfig:
         points), ``UNCHECKED`` (injection points, no checks) or an ABFTConfig.
       output_sites: module-output sites (``decoder/block_0/mlp:output`` ...) where the fault
         plan can inject (see :func:`sdcguard.inject.module_outputs`); others compile to nothing.
+      repair: how a detected error is corrected (with ``abft.correct``). ``in_place``: each
+        checked GEMM repairs its own output, in a loop that the step waits on.
+        ``recompute``: the checks only detect, so nothing waits on them; a step with a
+        detection computes its gradients again with in-place repair and reports that pass's
+        counters; if the second pass detects nothing (a transient fault does not come back),
+        the first pass's detections are counted as corrected. A clean step costs detection
+        only.
 
     Example:
       >>> TrainConfig(model_kind="encoder", output_sites=("encoder/block_0/mlp:output",))
@@ -96,6 +105,7 @@ class TrainConfig:
     seed: int = 0
     abft: ABFTConfig | None = ABFTConfig()
     output_sites: tuple[str, ...] = ()
+    repair: str = "in_place"
 
     def __post_init__(self):
         object.__setattr__(self, "output_sites", tuple(self.output_sites))
@@ -109,6 +119,8 @@ class TrainConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.repair not in REPAIRS:
+            raise ValueError(f"repair must be one of {list(REPAIRS)}, got {self.repair!r}")
 
     @property
     def stack_name(self) -> str:
@@ -172,6 +184,19 @@ def _sinks(model: nn.Module, config: GPTConfig):
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["sdc_grad"])
 
 
+def merge_counts(first: jax.Array, second: jax.Array, second_detected: jax.Array) -> jax.Array:
+    """One site's counters ``[..., 3]`` after a step computed twice (``repair='recompute'``).
+
+    ``first`` are the detect-only counts (``[d, 0, d]``), ``second`` those of the recomputation
+    with in-place repair, ``second_detected`` whether the recomputation detected anything at
+    any site. If it did, its counters stand: the first pass's also count the sites an error
+    reached downstream, since nothing was repaired there. If it did not, the fault did not come
+    back and recomputing corrected it: ``[d, d, 0]``.
+    """
+    recomputed = first[..., :1] * jnp.asarray([1, 1, 0], first.dtype)
+    return jnp.where(second_detected, second, recomputed)
+
+
 def make_train_step(
     config: TrainConfig,
     optimizer: optax.GradientTransformation | None = None,
@@ -208,7 +233,7 @@ def make_train_step(
     protected = config.abft is not None
     sinks = _sinks(model, config.model) if protected else {}
 
-    def loss_fn(params, sinks, batch, plan, step):
+    def loss_fn(params, sinks, batch, plan, step, abft):
         sdc = {}
 
         def apply(tokens):
@@ -226,20 +251,44 @@ def make_train_step(
             if protected or config.output_sites:
                 stack.enter_context(inject.faults(plan))
             if protected:
-                stack.enter_context(linen.protect(config.abft))
+                stack.enter_context(linen.protect(abft))
             if config.output_sites:
                 stack.enter_context(inject.module_outputs(config.output_sites))
             loss = task_loss(apply, batch, step)
         return loss, sdc
 
-    @jax.jit
-    def step(state: TrainState, batch: jax.Array, plan: inject.FaultPlan):
-        plan = plan.at_step(state.step)
-        grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+
+    def gradients(state, batch, plan, abft):
         with contextlib.ExitStack() as stack:
             if hit_log is not None:  # backward sites are traced after loss_fn returns
                 stack.enter_context(inject.recording_hits(hit_log))
-            (loss, sdc), (grads, sink_grads) = grad_fn(state.params, sinks, batch, plan, state.step)
+            (loss, sdc), (grads, sink_grads) = grad_fn(
+                state.params, sinks, batch, plan, state.step, abft
+            )
+        return loss, sdc, grads, sink_grads
+
+    def recomputed_if_detected(state, batch, plan):
+        first = gradients(state, batch, plan, dataclasses.replace(config.abft, correct=False))
+        detected = linen.total_counts(first[1], first[3])[0] > 0
+
+        def recompute(first):
+            loss, sdc, grads, sink_grads = gradients(state, batch, plan, config.abft)
+            again = linen.total_counts(sdc, sink_grads)[0] > 0
+            sdc, sink_grads = jax.tree.map(
+                lambda f, s: merge_counts(f, s, again), (first[1], first[3]), (sdc, sink_grads)
+            )
+            return loss, sdc, grads, sink_grads
+
+        return apply_if(detected, recompute, first)
+
+    @jax.jit
+    def step(state: TrainState, batch: jax.Array, plan: inject.FaultPlan):
+        plan = plan.at_step(state.step)
+        if protected and config.repair == "recompute" and config.abft.correct:
+            loss, sdc, grads, sink_grads = recomputed_if_detected(state, batch, plan)
+        else:
+            loss, sdc, grads, sink_grads = gradients(state, batch, plan, config.abft)
         counts = (
             linen.total_counts(sdc, sink_grads)
             if protected

@@ -110,6 +110,42 @@ def test_detect_only_counts_uncorrectable_and_passes_nothing_silently():
     assert np.isnan(np.asarray(out).reshape(-1)[3])
 
 
+def _while_loops(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).as_text().count("stablehlo.while")
+
+
+def test_detect_only_counts_each_matrix_and_needs_no_repair_loop():
+    a, b = operands(jnp.float32)
+    per_matrix = 32 * 24
+    faults = [Fault(site=SITE, kind="bitflip", bit=30, index=m * per_matrix + 5) for m in (1, 4)]
+
+    def run_with(config, plan):
+        return checked_einsum(SPEC, a, b, site=SITE, plan=plan, config=config)
+
+    plan = FaultPlan.from_faults(faults)
+    _, counts = jax.jit(run_with, static_argnums=0)(ABFTConfig(correct=False), plan)
+    np.testing.assert_array_equal(counts, [2, 0, 2])
+    # Detection only passes C on as it is: nothing is left for a repair loop to wait on.
+    assert _while_loops(lambda p: run_with(ABFTConfig(correct=False), p), plan) == 0
+    assert _while_loops(lambda p: run_with(ABFTConfig(), p), plan) == 1
+
+
+def test_detect_only_softmax_check_counts_bad_matrices_without_a_loop():
+    scores = jax.random.normal(jax.random.key(3), (2, 3, 8, 8))
+    probs = jax.nn.softmax(scores).at[1, 2, 5, 0].set(jnp.nan).at[0, 0, 1, 1].add(0.5)
+
+    def check(config, probs):
+        return check_softmax_rows(probs, scores, jax.nn.softmax, config)
+
+    out, counts = check(ABFTConfig(correct=False), probs)
+    np.testing.assert_array_equal(counts, [2, 0, 2])
+    np.testing.assert_array_equal(out, probs)
+    assert _while_loops(lambda p: check(ABFTConfig(correct=False), p), probs) == 0
+    fixed, counts = check(ABFTConfig(), probs)
+    np.testing.assert_array_equal(counts, [2, 2, 0])
+    assert_close(fixed, jax.nn.softmax(scores), jnp.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("which", ["grad_lhs", "grad_rhs"])
 def test_backward_gemms_checked_and_corrected(dtype, which):

@@ -200,3 +200,48 @@ def test_same_fault_unprotected_breaks_training(site, kind):
     new_state, _ = step(state, batch, plan)
     _, out2 = step(new_state, batch, FaultPlan.from_faults([], capacity=1))
     assert not np.isfinite(out2.loss)
+
+
+@functools.cache
+def recompute_stepper():
+    config = TrainConfig(model=GPTConfig(**TINY), batch_size=2, repair="recompute")
+    return make_train_step(config, optax.sgd(1.0))[1]
+
+
+@pytest.mark.parametrize("site", [None, "scores", "probs", "query.grad_rhs", "context.grad_lhs"])
+def test_recompute_on_detection_matches_in_place_repair(site):
+    """``repair='recompute'``: detection-only checks, and a detected step computed again."""
+    state, in_place, batch, _, _ = stepper("float32", True)
+    faults = [] if site is None else [Fault(site=f"decoder/block_0/attn:{site}", kind="nan")]
+    plan = FaultPlan.from_faults(faults, capacity=1)
+    expected_state, expected = in_place(state, batch, plan)
+    new_state, out = recompute_stepper()(state, batch, plan)
+    counts = {**sl.site_counts(out.sdc), **sl.backward_site_counts(out.sink_grads)}
+    if site is not None:
+        np.testing.assert_array_equal(counts.pop(f"decoder/block_0/attn:{site}"), [1, 1, 0])
+    assert all(not c.any() for c in counts.values()), "another site alarmed"
+    np.testing.assert_array_equal(out.counts, expected.counts)
+    assert_close(out.loss, expected.loss, "float32")
+    jax.tree_util.tree_map(
+        lambda a, b: assert_close(a, b, "float32"), new_state.params, expected_state.params
+    )
+
+
+def test_recompute_counts_a_fault_that_does_not_come_back_as_corrected():
+    from sdcguard.training import merge_counts
+
+    first = jnp.array([[2, 0, 2], [0, 0, 0], [1, 0, 1]], jnp.int32)  # detect-only pass
+    clean = jnp.zeros_like(first)  # the recomputation found nothing: the fault did not recur
+    np.testing.assert_array_equal(
+        merge_counts(first, clean, jnp.array(False)), [[2, 2, 0], [0, 0, 0], [1, 1, 0]]
+    )
+    again = jnp.array([[1, 1, 0], [0, 0, 0], [0, 0, 0]], jnp.int32)  # it came back, repaired
+    np.testing.assert_array_equal(merge_counts(first, again, jnp.array(True)), again)
+    sinks = jnp.zeros((2, 2, 3)).at[0, 1].set([3.0, 0.0, 3.0])  # backward sink gradients
+    merged = merge_counts(sinks, jnp.zeros_like(sinks), jnp.array(False))
+    np.testing.assert_array_equal(merged[0, 1], [3, 3, 0])
+
+
+def test_unknown_repair_mode_is_refused():
+    with pytest.raises(ValueError, match="repair must be one of"):
+        TrainConfig(repair="rollback")
