@@ -88,8 +88,8 @@ class TrainConfig:
       repair: how a detected error is corrected (with ``abft.correct``). ``in_place``: each
         checked GEMM repairs its own output, in a loop that the step waits on.
         ``recompute``: the checks only detect, so nothing waits on them; a step with a
-        detection computes its gradients again with in-place repair and reports that pass's
-        counters; if the second pass detects nothing (a transient fault does not come back),
+        detection is computed again (gradients and update, from the same state) with
+        in-place repair and reports that pass's counters; if the second pass detects nothing (a transient fault does not come back),
         the first pass's detections are counted as corrected. A clean step costs detection
         only.
 
@@ -259,36 +259,13 @@ def make_train_step(
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
 
-    def gradients(state, batch, plan, abft):
+    def advance(state, batch, plan, abft):
         with contextlib.ExitStack() as stack:
             if hit_log is not None:  # backward sites are traced after loss_fn returns
                 stack.enter_context(inject.recording_hits(hit_log))
             (loss, sdc), (grads, sink_grads) = grad_fn(
                 state.params, sinks, batch, plan, state.step, abft
             )
-        return loss, sdc, grads, sink_grads
-
-    def recomputed_if_detected(state, batch, plan):
-        first = gradients(state, batch, plan, dataclasses.replace(config.abft, correct=False))
-        detected = linen.total_counts(first[1], first[3])[0] > 0
-
-        def recompute(first):
-            loss, sdc, grads, sink_grads = gradients(state, batch, plan, config.abft)
-            again = linen.total_counts(sdc, sink_grads)[0] > 0
-            sdc, sink_grads = jax.tree.map(
-                lambda f, s: merge_counts(f, s, again), (first[1], first[3]), (sdc, sink_grads)
-            )
-            return loss, sdc, grads, sink_grads
-
-        return apply_if(detected, recompute, first)
-
-    @jax.jit
-    def step(state: TrainState, batch: jax.Array, plan: inject.FaultPlan):
-        plan = plan.at_step(state.step)
-        if protected and config.repair == "recompute" and config.abft.correct:
-            loss, sdc, grads, sink_grads = recomputed_if_detected(state, batch, plan)
-        else:
-            loss, sdc, grads, sink_grads = gradients(state, batch, plan, config.abft)
         counts = (
             linen.total_counts(sdc, sink_grads)
             if protected
@@ -300,5 +277,30 @@ def make_train_step(
         params = optax.apply_updates(state.params, updates)
         out = StepOutput(loss, optax.tree.norm(grads), counts, sdc, sink_grads)
         return TrainState(state.step + 1, params, opt_state), out
+
+    def recomputed_if_detected(state, batch, plan):
+        # The whole step, update included, is redone: a decision on the gradients alone would
+        # make every parameter update wait for the last check of the backward pass.
+        first = advance(state, batch, plan, dataclasses.replace(config.abft, correct=False))
+
+        def recompute(first):
+            new_state, out = advance(state, batch, plan, config.abft)
+            again = out.counts[0] > 0
+            sdc, sink_grads = jax.tree.map(
+                lambda f, s: merge_counts(f, s, again),
+                (first[1].sdc, first[1].sink_grads),
+                (out.sdc, out.sink_grads),
+            )
+            counts = merge_counts(first[1].counts, out.counts, again)
+            return new_state, out._replace(counts=counts, sdc=sdc, sink_grads=sink_grads)
+
+        return apply_if(first[1].counts[0] > 0, recompute, first)
+
+    @jax.jit
+    def step(state: TrainState, batch: jax.Array, plan: inject.FaultPlan):
+        plan = plan.at_step(state.step)
+        if protected and config.repair == "recompute" and config.abft.correct:
+            return recomputed_if_detected(state, batch, plan)
+        return advance(state, batch, plan, config.abft)
 
     return state, step
