@@ -89,9 +89,11 @@ class TrainConfig:
         checked GEMM repairs its own output, in a loop that the step waits on.
         ``recompute``: the checks only detect, so nothing waits on them; a step with a
         detection is computed again (gradients and update, from the same state) with
-        in-place repair and reports that pass's counters; if the second pass detects nothing (a transient fault does not come back),
-        the first pass's detections are counted as corrected. A clean step costs detection
-        only.
+        in-place repair and reports that pass's counters; if the second pass detects
+        nothing (a transient fault does not come back), the first pass's detections are
+        counted as corrected. A clean step costs detection
+        only. With ``abft.correct=False`` both modes are the same detect-only step; a
+        ``hit_log`` sees the faults of both passes of a recomputed step.
 
     Example:
       >>> TrainConfig(model_kind="encoder", output_sites=("encoder/block_0/mlp:output",))
