@@ -91,9 +91,9 @@ class TrainConfig:
         detection is computed again (gradients and update, from the same state) with
         in-place repair and reports that pass's counters; if the second pass detects
         nothing (a transient fault does not come back), the first pass's detections are
-        counted as corrected. A clean step costs detection
-        only. With ``abft.correct=False`` both modes are the same detect-only step; a
-        ``hit_log`` sees the faults of both passes of a recomputed step.
+        counted as corrected. A clean step costs detection only. With
+        ``abft.correct=False`` both modes are the same detect-only step; a ``hit_log`` sees
+        the faults of both passes of a recomputed step.
 
     Example:
       >>> TrainConfig(model_kind="encoder", output_sites=("encoder/block_0/mlp:output",))
