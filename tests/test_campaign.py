@@ -222,3 +222,26 @@ def test_abft_plus_guard_runs_and_keeps_training_clean(tmp_path):
     guarded = by_prot["abft+guard"]
     assert not guarded["detected"] and guarded["class"] == "loss_spike"
     assert guarded["nonfinite_loss"] and not guarded["nonfinite_params"]
+
+
+def test_abft_recompute_detects_and_corrects_like_in_place_repair(tmp_path):
+    """Detect-only checks and a recomputed step: the same rates as in-place repair."""
+    config = tiny(
+        tmp_path,
+        sites=(SCORES, BACKWARD),
+        kinds=("nan", "inf"),
+        trials=1,
+        protections=("abft", "abft-recompute"),
+        fp_steps=0,
+        propagation_trials=0,
+    )
+    assert "abft-recompute" not in CampaignConfig().protections  # opt-in
+    result = run_campaign(config, quiet())
+    records = [json.loads(line) for line in (tmp_path / "trials.jsonl").read_text().splitlines()]
+    recompute = [r for r in records if r["protection"] == "abft-recompute"]
+    assert len(recompute) == 2 * 2
+    assert all(r["detected"] and r["corrected"] and not r["uncorrectable"] for r in recompute)
+    assert all(r["class"] == "harmless" for r in recompute)
+    summary = result["summary"]
+    assert summary["abft-recompute"]["detection_rate"] == summary["abft"]["detection_rate"] == 1.0
+    assert summary["abft-recompute"]["correction_rate"] == 1.0

@@ -52,6 +52,7 @@ from rich.progress import (
 from sdcguard.campaign.config import (
     CLASSES,
     DEFAULT_KINDS,
+    DEFAULT_PROTECTIONS,
     DTYPES,
     EXPONENT_BITS,
     FORMAT_VERSION,
@@ -85,6 +86,7 @@ from sdcguard.training import MODEL_KINDS
 __all__ = [
     "CLASSES",
     "DEFAULT_KINDS",
+    "DEFAULT_PROTECTIONS",
     "DOWNSTREAM",
     "DTYPES",
     "EXPONENT_BITS",

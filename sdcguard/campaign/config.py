@@ -13,7 +13,8 @@ from sdcguard.models import GPTConfig
 from sdcguard.sites import FAULT_KINDS, attention_site_names, is_output_site, split_site
 from sdcguard.training import MODEL_KINDS, STACK_NAMES, TrainConfig, model_output_sites
 
-PROTECTIONS = ("off", "abft", "abft+guard")
+PROTECTIONS = ("off", "abft", "abft+guard", "abft-recompute")
+DEFAULT_PROTECTIONS = ("off", "abft", "abft+guard")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 # Exponent bits (counted from the least significant bit) of each dtype's bit pattern: the
 # "high-exponent" flips of the targets, and the default bit range of `bitflip`.
@@ -55,7 +56,9 @@ class CampaignConfig:
       dtype: computation dtype of the trials, ``fp32`` or ``bf16``.
       protections: protection levels to run, each one configuration (one compilation):
         ``off`` (injection points, no checks), ``abft``, ``abft+guard`` (ABFT and the Optax
-        update guard, fed the loss and ABFT's uncorrectable count).
+        update guard, fed the loss and ABFT's uncorrectable count); opt-in
+        ``abft-recompute`` (detect-only checks, a step with a detection recomputed under
+        in-place repair: ``TrainConfig(repair="recompute")``).
       warmup: clean steps before the fault (the fault fires at step ``warmup``).
       steps_after: steps trained after the fault step.
       spike_rel: relative loss excess over the clean run that counts as a loss spike.
@@ -84,7 +87,7 @@ class CampaignConfig:
     trials: int = 2
     seed: int = 0
     dtype: str = "fp32"
-    protections: tuple[str, ...] = PROTECTIONS
+    protections: tuple[str, ...] = DEFAULT_PROTECTIONS
     warmup: int = 3
     steps_after: int = 4
     spike_rel: float = 0.05

@@ -44,7 +44,8 @@ def make_step(
 ) -> tuple[TrainState, Callable]:
     """Initial state and the jitted :func:`sdcguard.training.make_train_step` of one
     configuration; with ``abft+guard`` the optimizer is wrapped in the update guard (the step
-    passes it the loss and ABFT's uncorrectable count). ``output_sites`` are the module outputs
+    passes it the loss and ABFT's uncorrectable count), with ``abft-recompute`` a step with a
+    detection is recomputed under in-place repair. ``output_sites`` are the module outputs
     armed for injection; ``hit_log`` receives every fault that fires."""
     optimizer = optax.adam(learning_rate)
     if protection == "abft+guard":
@@ -58,6 +59,7 @@ def make_step(
         abft=_abft_config(protection),
         model_kind=model_kind,
         output_sites=tuple(output_sites),
+        repair="recompute" if protection == "abft-recompute" else "in_place",
     )
     return make_train_step(train, optimizer, hit_log=hit_log)
 
