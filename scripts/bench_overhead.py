@@ -7,6 +7,7 @@ process; an overhead is the median over rounds of the per-round ratio to the unp
     python scripts/bench_overhead.py                 # bench-size GPT (d_model 256, seq 256)
     python scripts/bench_overhead.py --size default  # the tiny default GPT
     python scripts/bench_overhead.py --per-site      # each site alone, and fwd vs fwd+bwd
+    python scripts/bench_overhead.py --step-only --rounds 41  # more rounds of the step alone
 """
 
 from __future__ import annotations
@@ -113,12 +114,17 @@ def main() -> None:
     parser.add_argument(
         "--per-site", action="store_true", help="training step only, one protected site at a time"
     )
+    parser.add_argument(
+        "--step-only", action="store_true", help="time the training step, not attention alone"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model = SIZES[args.size]
     console = Console()
     results = {}
     workloads = [("training step", train_step_fns), ("attention fwd+bwd", attention_fns)]
+    if args.step_only:
+        workloads = workloads[:1]
     if args.per_site:
         workloads = [
             ("training step", lambda m, b: train_step_fns(m, b, PER_SITE_VARIANTS)),
