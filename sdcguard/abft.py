@@ -126,6 +126,11 @@ def zero_counts() -> jax.Array:
     return jnp.zeros((NUM_COUNTERS,), jnp.int32)
 
 
+def _counts(detected: jax.Array, corrected: jax.Array) -> jax.Array:
+    """int32 ``[detected, corrected, uncorrectable]``: what was detected and not corrected."""
+    return jnp.stack([detected, corrected, detected - corrected]).astype(jnp.int32)
+
+
 # --- Tolerance model ---------------------------------------------------------------------------
 
 
@@ -476,9 +481,12 @@ def check_contraction(
     )
     row_ref = rows.ref
     bad_row = ~(rows.deviation <= rows.threshold)
-    flagged_any = jnp.any(bad_row)
-    col_term = ct.without(ct.lhs_free)
     row_term = ct.without(ct.rhs_free)
+    row_free = _axes(row_term, ct.lhs_free)
+    if not config.correct:
+        # Detection only: C is passed on as it is, so nothing waits on a repair loop.
+        return c, _counts(jnp.sum(jnp.any(bad_row, axis=row_free)), 0)
+    col_term = ct.without(ct.lhs_free)
     dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
     batch = ct.batch
 
@@ -491,7 +499,7 @@ def check_contraction(
         return x.reshape([dims[x_] if x_ in term else 1 for x_ in out])
 
     lhs_axes, rhs_axes = _axes(out, ct.lhs_free), _axes(out, ct.rhs_free)
-    col_free, row_free = _axes(col_term, ct.rhs_free), _axes(row_term, ct.lhs_free)
+    col_free = _axes(col_term, ct.rhs_free)
 
     def locate_and_correct(c):
         # Casts live in the branch: outside it, a bf16 C would be widened on every clean step.
@@ -530,16 +538,9 @@ def check_contraction(
 
         flagged = (n_rows > 0) | (n_cols > 0)
         repaired = flagged & (by_col | by_row | one_row | one_col)
-        counts = jnp.stack(
-            [jnp.sum(flagged), jnp.sum(repaired), jnp.sum(flagged & ~repaired)]
-        ).astype(jnp.int32)
-        return fixed.astype(c.dtype), counts
+        return fixed.astype(c.dtype), _counts(jnp.sum(flagged), jnp.sum(repaired))
 
-    if not config.correct:
-        # Detection only: C is passed on as it is, so nothing waits on a repair loop.
-        flagged = jnp.sum(jnp.any(bad_row, axis=row_free))
-        return c, jnp.stack([flagged, jnp.zeros_like(flagged), flagged]).astype(jnp.int32)
-    return repair_if(flagged_any, locate_and_correct, c)
+    return repair_if(jnp.any(bad_row), locate_and_correct, c)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
@@ -573,13 +574,16 @@ def check_softmax_rows(
     )
     row_sum = jnp.sum(p32, axis=-1)
     bad = ~(jnp.abs(row_sum - 1.0) <= tol)  # NaN/inf rows fail too
-    n_bad = jnp.sum(jnp.any(bad.reshape(-1, bad.shape[-1]), axis=-1))  # matrices
+
+    def bad_matrices():
+        return jnp.sum(jnp.any(bad.reshape(-1, bad.shape[-1]), axis=-1))
+
     if not config.correct:
-        return probs, jnp.stack([n_bad, jnp.zeros_like(n_bad), n_bad]).astype(jnp.int32)
+        return probs, _counts(bad_matrices(), 0)
 
     def fix(probs):
         fixed = jnp.where(bad[..., None], softmax(scores).astype(probs.dtype), probs)
-        return fixed, jnp.stack([n_bad, n_bad, jnp.zeros_like(n_bad)]).astype(jnp.int32)
+        return fixed, _counts(bad_matrices(), bad_matrices())
 
     return repair_if(jnp.any(bad), fix, probs)
 

@@ -286,14 +286,15 @@ def make_train_step(
         first = advance(state, batch, plan, dataclasses.replace(config.abft, correct=False))
 
         def recompute(first):
+            _, first_out = first
             new_state, out = advance(state, batch, plan, config.abft)
             again = out.counts[0] > 0
             sdc, sink_grads = jax.tree.map(
                 lambda f, s: merge_counts(f, s, again),
-                (first[1].sdc, first[1].sink_grads),
+                (first_out.sdc, first_out.sink_grads),
                 (out.sdc, out.sink_grads),
             )
-            counts = merge_counts(first[1].counts, out.counts, again)
+            counts = linen.total_counts(sdc, sink_grads)
             return new_state, out._replace(counts=counts, sdc=sdc, sink_grads=sink_grads)
 
         return apply_if(first[1].counts[0] > 0, recompute, first)

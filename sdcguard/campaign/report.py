@@ -393,7 +393,7 @@ def plot(result: dict, out: Path) -> list[Path]:
         written.append(out / "harm.png")
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
-    for prot in ("abft", "abft+guard", "abft-recompute"):
+    for prot in (p for p in PROTECTIONS if p != "off"):
         if prot not in summ:
             continue
         cells = summ[prot]["per_cell"]
