@@ -216,26 +216,30 @@ def random_index(seed: jax.Array, sid: int, size: int) -> jax.Array:
     return (h % jnp.uint32(size)).astype(jnp.int32)
 
 
-_RESTRICTION: contextvars.ContextVar[tuple[frozenset[str] | None, dict[str, int] | None]] = (
-    contextvars.ContextVar("sdcguard_injection_restriction", default=(None, None))
-)
+_RESTRICTION: contextvars.ContextVar[
+    tuple[frozenset[str] | None, dict[str, int] | None, dict[str, str] | None]
+] = contextvars.ContextVar("sdcguard_injection_restriction", default=(None, None, None))
 
 
 @contextlib.contextmanager
 def restrict_sites(
-    armed: Iterable[str] | None = None, *, sizes: dict[str, int] | None = None
+    armed: Iterable[str] | None = None,
+    *,
+    sizes: dict[str, int] | None = None,
+    dtypes: dict[str, str] | None = None,
 ) -> Iterator[None]:
     """While tracing inside the block, compile injection code only at the ``armed`` sites.
 
     A model has hundreds of sites; when only a few can be targeted (a replay node with a known
     fault spec), the others then compile to nothing. Two programs traced with the same armed set
     are the same program whatever their plans. If ``sizes`` is given, it receives the element
-    count of every site traced, armed or not.
+    count of every site traced, armed or not; ``dtypes`` receives their dtype names (a bit
+    flip's ``bit`` must be below the width of that dtype).
 
     Cover the whole trace, ``value_and_grad`` included: backward sites are traced when the
     gradient is, after the forward pass has returned.
     """
-    token = _RESTRICTION.set((None if armed is None else frozenset(armed), sizes))
+    token = _RESTRICTION.set((None if armed is None else frozenset(armed), sizes, dtypes))
     try:
         yield
     finally:
@@ -268,9 +272,11 @@ def apply(
         in its own output order), indices keep naming elements of ``t``, so a fault hits the
         same element whichever order the site is computed in.
     """
-    armed, sizes = _RESTRICTION.get()
+    armed, sizes, dtypes = _RESTRICTION.get()
     if sizes is not None:
         sizes.setdefault(site, int(x.size))
+    if dtypes is not None:
+        dtypes.setdefault(site, str(x.dtype))
     if plan is None or plan.num_faults == 0 or (armed is not None and site not in armed):
         return x
     sid = site_id(site)
@@ -492,6 +498,8 @@ def parse_spec(spec: str, *, valid_sites: Sequence[str] | None = None) -> Fault:
             raise ValueError(
                 f"unknown field {name!r} in fault spec; valid fields: {sorted(_SPEC_FIELDS)}"
             )
+        if name in fields:  # a repeated field would silently replace the first one
+            raise ValueError(f"fault spec {spec!r} gives the field {name!r} twice")
         fields[name] = val.strip()
     for required in ("site", "kind"):
         if required not in fields:
