@@ -13,8 +13,10 @@ whole campaign).
 from __future__ import annotations
 
 import enum
+import functools
+import re
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 # The GEMM sites of one attention layer, in execution order.
 GEMM_SITES = ("query", "key", "value", "scores", "context", "out")
@@ -118,3 +120,36 @@ def attention_site_names(attn_path: Sequence[str] | str, *, backward: bool = Tru
         for s in GEMM_SITES:
             names.extend(backward_site_names(site_name(path, s)))
     return names
+
+
+@functools.cache
+def site_pattern(pattern: str) -> re.Pattern:
+    """The one pattern grammar of site and module names (``--sites`` of every command).
+
+    ``*`` matches within one path component (not ``/`` or ``:``), ``**`` across components,
+    ``?`` one character of a component; everything else is literal, and a pattern matches a
+    whole name. ``decoder/block_*:output`` matches the blocks' outputs, not
+    ``decoder/block_0/mlp:output``; ``decoder/**:kernel.grad`` every kernel gradient under
+    ``decoder``.
+
+    Example:
+      >>> bool(site_pattern("decoder/block_*/attn:scores*").fullmatch(
+      ...     "decoder/block_1/attn:scores.grad_lhs"))
+      True
+    """
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        c = pattern[i]
+        out.append("[^/:]*" if c == "*" else "[^/:]" if c == "?" else re.escape(c))
+        i += 1
+    return re.compile("".join(out))
+
+
+def match_sites(pattern: str, names: Iterable[str]) -> list[str]:
+    """The names (in their order) that ``pattern`` matches whole (see :func:`site_pattern`)."""
+    regex = site_pattern(pattern)
+    return [n for n in names if regex.fullmatch(n)]

@@ -178,8 +178,8 @@ def test_cli_parses_into_config(tmp_path):
             "nan",
             "bitflip",
             "--bits",
-            "20",
-            "30",
+            "10",
+            "14",
             "--protection",
             "abft",
             "abft+guard",
@@ -190,7 +190,7 @@ def test_cli_parses_into_config(tmp_path):
         ]
     )
     config = campaign.config_from_args(args)
-    assert config.kinds == ("nan", "bitflip") and config.bit_range == (20, 30)
+    assert config.kinds == ("nan", "bitflip") and config.bit_range == (10, 14)
     assert config.protections == ("abft", "abft+guard") and config.dtype == "bf16"
     assert config.model_config().dtype == "bfloat16" and config.trials == 3
     assert len(config.site_list()) == 2 * 19  # default: every attention site of both layers

@@ -6,16 +6,24 @@ import dataclasses
 import functools
 import hashlib
 import json
-import re
 from pathlib import Path
 
 from sdcguard.models import GPTConfig
-from sdcguard.sites import FAULT_KINDS, attention_site_names, is_output_site, split_site
+from sdcguard.sites import (
+    FAULT_KINDS,
+    attention_site_names,
+    is_output_site,
+    site_pattern,  # the one pattern grammar of every --sites (sdcguard.sites)
+    split_site,
+)
 from sdcguard.training import MODEL_KINDS, STACK_NAMES, TrainConfig, model_output_sites
 
 PROTECTIONS = ("off", "abft", "abft+guard", "abft-recompute")
 DEFAULT_PROTECTIONS = ("off", "abft", "abft+guard")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+# The other spelling of each dtype (``sdcguard demo --dtype float32``), accepted everywhere.
+DTYPE_ALIASES = {v: k for k, v in DTYPES.items()}
+DTYPE_BITS = {"fp32": 32, "bf16": 16}
 # Exponent bits (counted from the least significant bit) of each dtype's bit pattern: the
 # "high-exponent" flips of the targets, and the default bit range of `bitflip`.
 EXPONENT_BITS = {"fp32": (23, 30), "bf16": (7, 14)}
@@ -53,7 +61,8 @@ class CampaignConfig:
       value: the value set by ``value`` faults and the factor of ``scale`` faults.
       trials: trials per (site, kind) cell; each draws its element (and bit) from its seed.
       seed: seed of parameters, data and trial draws.
-      dtype: computation dtype of the trials, ``fp32`` or ``bf16``.
+      dtype: computation dtype of the trials, ``fp32`` or ``bf16`` (``float32`` and
+        ``bfloat16`` are accepted and stored as the short names).
       protections: protection levels to run, each one configuration (one compilation):
         ``off`` (injection points, no checks), ``abft``, ``abft+guard`` (ABFT and the Optax
         update guard, fed the loss and ABFT's uncorrectable count); opt-in
@@ -99,6 +108,11 @@ class CampaignConfig:
     def __post_init__(self):
         for name in ("sites", "kinds", "protections", "fp_dtypes"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        # Either spelling of a dtype ("bf16" or "bfloat16"); the short one is stored.
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        object.__setattr__(
+            self, "fp_dtypes", tuple(DTYPE_ALIASES.get(d, d) for d in self.fp_dtypes)
+        )
         object.__setattr__(self, "out", Path(self.out))
         if self.bit_range is not None:
             lo, hi = (int(b) for b in self.bit_range)
@@ -126,6 +140,12 @@ class CampaignConfig:
         for d in (self.dtype, *self.fp_dtypes):
             if d not in DTYPES:
                 raise ValueError(f"dtype must be one of {list(DTYPES)}, got {d!r}")
+        if self.bit_range is not None and self.bit_range[1] >= DTYPE_BITS[self.dtype]:
+            # A flip of bit b >= width would flip bit b % width while being recorded as b.
+            raise ValueError(
+                f"bit range {self.bit_range} does not fit {self.dtype} (bits 0 to "
+                f"{DTYPE_BITS[self.dtype] - 1})"
+            )
         for name in ("trials", "steps_after", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -172,9 +192,17 @@ class CampaignConfig:
             hits = [s for s in valid if site_pattern(pat).fullmatch(s)]
             if not hits:
                 listing = "\n  ".join(valid)
+                site = pat.rpartition(":")[2]
+                hint = (
+                    " (parameter sites such as 'path:kernel.grad' or 'path:kernel.update' are "
+                    "injected by `sdcguard compare --inject-b` and `sdcguard record --inject`; "
+                    "a campaign injects at attention sites and module outputs)"
+                    if site.endswith((".grad", ".update"))
+                    else ""
+                )
                 raise ValueError(
                     f"site {pat!r} is no site of the {self.model_kind} model "
-                    f"({self.model.num_layers} layers); valid sites:\n  {listing}"
+                    f"({self.model.num_layers} layers){hint}; valid sites:\n  {listing}"
                 )
             out += [s for s in hits if s not in out]
         return tuple(out)
@@ -204,15 +232,6 @@ class CampaignConfig:
             "spike_rel": self.spike_rel,
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-@functools.cache
-def site_pattern(pattern: str) -> re.Pattern:
-    """A site pattern as a regex: ``*`` matches within one path component (not ``/`` or ``:``),
-    ``?`` one such character; everything else is literal. ``decoder/block_*:output`` matches
-    the blocks' outputs, not ``decoder/block_0/mlp:output``."""
-    parts = ("[^/:]*" if c == "*" else "[^/:]" if c == "?" else re.escape(c) for c in pattern)
-    return re.compile("".join(parts))
 
 
 @functools.cache
