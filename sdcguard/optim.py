@@ -406,13 +406,19 @@ def _gather(x: jax.Array, axis_name: Hashable) -> jax.Array:
     return jax.lax.psum(rows, axis_name)
 
 
-def _agree_across_replicas(grads, local_reason: jax.Array, axis_name: Hashable):
+def _agree_across_replicas(
+    grads, local_reason: jax.Array, axis_name: Hashable, replicas: jax.Array | None = None
+):
     """Compares gradient fingerprints across ``axis_name`` and shares every replica's reasons.
 
     Gradients handed to an optimizer in data-parallel training are already all-reduced, so
     every replica must hold the same bits; one that does not was corrupted on its way there.
     Every replica sees the same gathered table, so all take the same decision and parameters
     stay replicated.
+
+    ``replicas`` (bool ``[axis size]``, None: all) are the replicas that take part: one that
+    is out of training (quarantined or lost, :mod:`sdcguard.degraded`) neither votes nor
+    contributes reasons.
 
     Returns:
       ``(reason, odd_replica)``: the OR of all replicas' reasons plus REPLICA_MISMATCH when
@@ -424,13 +430,22 @@ def _agree_across_replicas(grads, local_reason: jax.Array, axis_name: Hashable):
     table = _gather(mine, axis_name)  # [replicas, 3]
     fingerprints = table[:, :2]
     same = jnp.all(fingerprints[:, None, :] == fingerprints[None, :, :], axis=-1)
-    votes = jnp.sum(same, axis=1)
-    majority = jnp.argmax(votes)
-    has_majority = 2 * votes[majority] > fingerprints.shape[0]
-    odd = ~same[majority]
+    if replicas is None:
+        votes = jnp.sum(same, axis=1)
+        majority = jnp.argmax(votes)
+        has_majority = 2 * votes[majority] > fingerprints.shape[0]
+        odd = ~same[majority]
+        reasons = table[:, 2]
+    else:
+        voting = jnp.asarray(replicas, jnp.bool_).reshape(fingerprints.shape[0])
+        votes = jnp.where(voting, jnp.sum(same & voting[None, :], axis=1), -1)
+        majority = jnp.argmax(votes)
+        has_majority = 2 * votes[majority] > jnp.sum(voting)
+        odd = ~same[majority] & voting
+        reasons = jnp.where(voting, table[:, 2], jnp.uint32(0))
     mismatch = jnp.any(odd)
     odd_replica = jnp.where(mismatch & has_majority, jnp.argmax(odd), -1).astype(jnp.int32)
-    everyone = jax.lax.reduce(table[:, 2], jnp.uint32(0), jax.lax.bitwise_or, (0,))
+    everyone = jax.lax.reduce(reasons, jnp.uint32(0), jax.lax.bitwise_or, (0,))
     reason = everyone.astype(jnp.int32) | _flag(mismatch, Reason.REPLICA_MISMATCH)
     return reason, odd_replica
 
@@ -482,6 +497,8 @@ def refuse_corrupted(
 
     With ``axis_name`` set, call ``update`` inside ``shard_map``/``pmap`` with gradients
     already reduced over that axis (and a reduced loss), as in ordinary data-parallel training.
+    The extra argument ``replicas`` (bool ``[axis size]``) names the replicas that take part in
+    the cross-replica check; the others (out of training: :mod:`sdcguard.degraded`) are ignored.
 
     Args:
       inner: any Optax transformation, including ``optax.chain``, ``optax.MultiSteps`` and
@@ -562,7 +579,9 @@ def refuse_corrupted(
             reason |= _flag(jnp.asarray(abft_uncorrectable) > 0, Reason.ABFT_UNCORRECTABLE)
         odd_replica = jnp.full((), -1, jnp.int32)
         if config.axis_name is not None:
-            reason, odd_replica = _agree_across_replicas(grads, reason, config.axis_name)
+            reason, odd_replica = _agree_across_replicas(
+                grads, reason, config.axis_name, extra.get("replicas")
+            )
 
         refuse = reason != 0
         accept = ~refuse
