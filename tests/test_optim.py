@@ -21,6 +21,7 @@ from sdcguard.optim import (
     find_guard_state,
     reason_names,
     refuse_corrupted,
+    reset_statistics,
     tree_fingerprint,
 )
 from sdcguard.recovery import host_fingerprint
@@ -201,11 +202,52 @@ def test_absent_extra_args_skip_their_checks_and_leave_statistics_alone():
     assert_trees_equal(new.loss_stats, state.loss_stats)
 
 
-def test_spike_checks_wait_for_warmup():
+def test_a_spike_in_the_warmup_is_refused_and_never_poisons_the_statistics():
+    """A 100x gradient spike at step 5 (before the median check starts) is absurd: refused, and
+    later 100x spikes are still refused (it never entered the statistics)."""
     tx, params, state = warmed_up(DEFAULT, steps=5)
-    grads = jax.tree.map(lambda x: 100.0 * x, toy_grads(99, params))
-    _, new = tx.update(grads, state, params, loss=jnp.float32(50.0))
-    assert int(new.reason) == 0
+    assert int(state.grad_norm_stats.count) == 5 < DEFAULT.warmup
+    spike = jax.tree.map(lambda x: 100.0 * x, toy_grads(99, params))
+    _, new = tx.update(spike, state, params, loss=jnp.float32(2.0))
+    assert reason_names(new.reason) == ("grad_norm_spike",)
+    assert_trees_equal(new.statistics[:, : DEFAULT.window + 2], state.statistics[:, :-2])
+    state = new
+    update = jax.jit(tx.update)
+    for i in range(5, 200):
+        grads = toy_grads(i, params)
+        if i % 37 == 0:
+            grads = jax.tree.map(lambda x: 100.0 * x, grads)
+        updates, state = update(grads, state, params, loss=jnp.float32(2.0 + 0.01 * np.sin(i)))
+        assert bool(int(state.reason) != 0) == (i % 37 == 0), (i, reason_names(state.reason))
+        params = optax.apply_updates(params, updates)
+
+
+def test_warmup_accepts_ordinary_variation_and_refuses_only_the_absurd():
+    tx, params, state = warmed_up(DEFAULT, steps=3)
+    for scale, refused in [(10.0, False), (30.0, True)]:
+        grads = jax.tree.map(lambda x, s=scale: s * x, toy_grads(99, params))
+        _, new = tx.update(grads, state, params)
+        assert bool(new.reason) == refused, scale
+
+
+@pytest.mark.parametrize("spike_step", [3, 8, 20, 150, 399])
+def test_a_100x_spike_at_any_step_after_the_first_few_is_refused(spike_step):
+    """Gradient norms that grow 50x over a learning-rate warm-up, with noise: none of those is
+    refused, and a 100x spike is, wherever it lands (6-10x bursts on top: tests/test_triage.py,
+    where triage tells them from corruption)."""
+    tx = jax.jit(refuse_corrupted(optax.sgd(0.0)).update)
+    state = refuse_corrupted(optax.sgd(0.0)).init({"g": jnp.zeros(64)})
+    rng = np.random.default_rng(spike_step)
+    refused = []
+    for i in range(spike_step + 1):
+        norm = 50.0 ** (min(i, 300) / 300) * np.exp(0.3 * rng.normal())
+        if i == spike_step:
+            norm *= 100
+        g = rng.normal(size=64)
+        _, state = tx({"g": jnp.asarray(norm * g / np.linalg.norm(g), jnp.float32)}, state)
+        if int(state.reason):
+            refused.append(i)
+    assert refused == [spike_step]
 
 
 def test_consecutive_refusals_request_rollback_and_an_accepted_step_clears_it():
@@ -254,23 +296,85 @@ def test_guard_state_is_found_inside_a_chain_and_described():
         find_guard_state(optax.adam(1e-3).init(params))
 
 
-def test_guard_scalars_travel_as_two_arrays_and_read_back_by_name():
-    tx = refuse_corrupted(optax.adam(1e-2))
+def test_guard_fields_are_found_by_optax_tree_get_and_the_rest_travel_as_two_arrays():
+    tx = optax.chain(optax.clip(1.0), refuse_corrupted(optax.adam(1e-2)))
     params = toy_params()
     state = tx.init(params)
-    inner_leaves = len(jax.tree.leaves(optax.adam(1e-2).init(params)))
-    # Each state leaf is a buffer in and out of every compiled step: the guard adds two.
-    assert len(jax.tree.leaves(state)) == inner_leaves + 2
-    assert (int(state.steps), int(state.refused), int(state.odd_replica)) == (0, 0, -1)
-    assert state.rollback_needed.dtype == jnp.bool_ and not bool(state.rollback_needed)
-    assert state.reason_counts.shape == (len(Reason),)
+    inner_leaves = len(jax.tree.leaves(optax.chain(optax.clip(1.0), optax.adam(1e-2)).init(params)))
+    # Each state leaf is a buffer in and out of every compiled step: the guard adds five.
+    assert len(jax.tree.leaves(state)) == inner_leaves + 5
+    guard = find_guard_state(state)
+    assert (int(guard.steps), int(guard.refused), int(guard.odd_replica)) == (0, 0, -1)
+    assert guard.reason_counts.shape == (len(Reason),)
 
-    _, state = tx.update(poison(toy_grads(0, params), jnp.inf), state, params, loss=3.0)
-    assert (int(state.steps), int(state.refused), int(state.consecutive)) == (1, 1, 1)
-    assert reason_names(state.reason) == ("nonfinite",)
-    assert int(state.reason_counts[list(Reason).index(Reason.NONFINITE)]) == 1
-    assert int(state.loss_stats.count) == 0 and int(state.grad_norm_stats.count) == 0
-    assert not np.isfinite(float(state.grad_norm))
+    _, state = tx.update(poison(toy_grads(0, params), jnp.nan), state, params, loss=3.0)
+    get = optax.tree_utils.tree_get
+    assert int(get(state, "refused")) == 1
+    assert reason_names(get(state, "reason")) == ("nonfinite",)
+    assert get(state, "rollback_needed").dtype == jnp.bool_
+    assert not bool(get(state, "rollback_needed"))
+    guard = find_guard_state(state)
+    assert (int(guard.steps), int(guard.consecutive)) == (1, 1)
+    assert int(guard.reason_counts[list(Reason).index(Reason.NONFINITE)]) == 1
+    assert int(guard.loss_stats.count) == 0 and int(guard.grad_norm_stats.count) == 0
+    assert not np.isfinite(float(guard.grad_norm)) and float(guard.loss) == 3.0
+
+
+def test_statistics_reset_for_a_planned_data_change_restarts_the_warmup():
+    tx, params, state = warmed_up()
+    assert int(state.grad_norm_stats.count) == 24
+    for reset in (
+        reset_statistics,
+        lambda s: optax.tree_utils.tree_set(
+            s, statistics=jnp.zeros_like(optax.tree_utils.tree_get(s, "statistics"))
+        ),
+    ):
+        fresh = reset(state)
+        assert int(fresh.grad_norm_stats.count) == 0 and int(fresh.loss_stats.count) == 0
+        assert_trees_equal(fresh.inner_state, state.inner_state)
+        assert int(fresh.steps) == int(state.steps)
+        # A loss 3x the old level is a spike to the old statistics, not after the reset.
+        _, old = tx.update(toy_grads(99, params), state, params, loss=jnp.float32(6.0))
+        _, new = tx.update(toy_grads(99, params), fresh, params, loss=jnp.float32(6.0))
+        assert reason_names(old.reason) == ("loss_spike",) and int(new.reason) == 0
+    with pytest.raises(ValueError, match="replace has shape"):
+        reset_statistics(state, replace=jnp.zeros(3))
+
+
+def test_a_per_example_loss_or_raw_abft_counters_are_named_in_the_error():
+    tx = refuse_corrupted(optax.sgd(0.1))
+    params = toy_params()
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"extra argument loss must be a scalar, got shape \(8,\)"):
+        tx.update(toy_grads(0, params), state, params, loss=jnp.ones(8))
+    with pytest.raises(ValueError, match=r"abft_uncorrectable must be a scalar.*unsafe_checks"):
+        tx.update(toy_grads(0, params), state, params, abft_uncorrectable=jnp.zeros(4, jnp.int32))
+
+
+def test_a_guard_state_with_a_replica_axis_reads_back_in_every_reader():
+    """pmap (here its single-device stand-in, vmap over an axis name) stacks the guard state."""
+    tx = refuse_corrupted(optax.sgd(0.1), axis_name="r")
+    params = toy_params()
+    grads = toy_grads(0, params)
+    bad = jax.tree.map(lambda g: jnp.stack([g, g.at[(0,) * g.ndim].set(jnp.nan)]), grads)
+    states = jax.jit(jax.vmap(lambda _: tx.init(params)))(jnp.arange(2))
+    update = jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="r")
+    _, states = jax.jit(update)(bad, states)
+    assert states.counters.shape[0] == 2 and states.reason.shape == (2,)
+    assert reason_names(states.reason) == ("nonfinite", "replica_mismatch")
+    assert states.steps.tolist() == [1, 1] and states.refused.tolist() == [1, 1]
+    assert states.reason_counts.shape == (2, len(Reason))
+    assert states.grad_norm_stats.count.tolist() == [0, 0]
+    text = describe(states)
+    assert text.startswith("refused 1 of 1 updates; last update: nonfinite, replica_mismatch")
+    assert text.endswith("(the same on 2 replicas)")
+    one = jax.tree.map(lambda x: x[1], states)._replace(refused=jnp.int32(0))
+    mixed = jax.tree.map(lambda a, b: jnp.stack([a[0], b]), states, one)
+    assert describe(mixed).startswith("replica 0: refused 1 of 1") and "replica 1: refused 0" in (
+        describe(mixed)
+    )
+    with pytest.raises(ValueError, match="leading replica axis is updated inside pmap"):
+        tx.update(grads, states, params)
 
 
 @pytest.mark.parametrize(
@@ -278,7 +382,11 @@ def test_guard_scalars_travel_as_two_arrays_and_read_back_by_name():
     [
         ({"grad_norm_zscore": 0.0}, "grad_norm_zscore must be positive"),
         ({"loss_zscore": -1.0}, "loss_zscore must be positive"),
-        ({"window": 1}, "window must be >= 2"),
+        ({"window": 1}, "window must be >= 4"),
+        ({"warmup_max_ratio": 0.5}, "warmup_max_ratio must be >= 1"),
+        ({"gradients": "zero"}, "gradients must be"),
+        ({"real_spike": "ignore"}, "real_spike must be"),
+        ({"triage_rtol": -1.0}, "triage_rtol must be >= 0"),
         ({"warmup": 500}, "warmup must be between 2 and window"),
         ({"grad_norm_min_ratio": 0.5}, "grad_norm_min_ratio must be >= 1"),
         ({"max_consecutive": 0}, "max_consecutive must be >= 1"),
@@ -501,3 +609,87 @@ def test_the_guarded_update_is_differentiable_like_a_select(refused):
     expected = 0.0 if refused else 1.0
     for g in jax.tree.leaves(grads):
         np.testing.assert_array_equal(np.asarray(g), np.full(g.shape, expected, np.float32))
+
+
+# --- ZeRO/FSDP: gradients sharded over the data axis by psum_scatter ----------------------------
+
+
+def zero_sharded_run(gradients: str, steps: int, spike_at: int, use_pmap: bool = False):
+    """A linear model trained ZeRO-style on 8 devices: the weight and its Adam moments are
+    sharded over ``data`` (all-gathered for the forward pass), its gradient reduce-scattered;
+    the bias is replicated (all-reduced). At step ``spike_at`` replica 3's gradient shard is
+    multiplied by 100. Returns the guard's reason and odd replica of every step."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = 8
+    tx = refuse_corrupted(optax.adam(1e-2), axis_name="data", gradients=gradients)
+    rng = np.random.default_rng(0)
+    xs = jnp.asarray(rng.normal(size=(steps, 8 * n, 32)), jnp.float32)
+    ys = jnp.asarray(rng.normal(size=(steps, 8 * n, 4)), jnp.float32)
+
+    def run(w_shard, b, xs, ys):
+        def loss_fn(w, b, x, y):
+            return jnp.mean((x @ w + b - y) ** 2)
+
+        def step(carry, inputs):
+            w_shard, b, state = carry
+            i, x, y = inputs
+            w = jax.lax.all_gather(w_shard, "data", tiled=True)
+            loss, (gw, gb) = jax.value_and_grad(loss_fn, argnums=(0, 1))(w, b, x, y)
+            gw = jax.lax.psum_scatter(gw, "data", tiled=True) / n  # this replica's shard
+            gb, loss = jax.lax.pmean((gb, loss), "data")
+            hit = (i == spike_at) & (jax.lax.axis_index("data") == 3)
+            gw = jnp.where(hit, 100.0 * gw, gw)
+            params = {"w": w_shard, "b": b}
+            updates, state = tx.update({"w": gw, "b": gb}, state, params, loss=loss)
+            params = optax.apply_updates(params, updates)
+            return (params["w"], params["b"], state), (state.reason, state.odd_replica)
+
+        state = tx.init({"w": w_shard, "b": b})
+        _, out = jax.lax.scan(step, (w_shard, b, state), (jnp.arange(steps), xs, ys))
+        return out
+
+    w = jnp.asarray(rng.normal(size=(32, 4)), jnp.float32) * 0.1
+    b = jnp.zeros(4)
+    if use_pmap:
+        shards = w.reshape(n, 32 // n, 4)
+        per = lambda a: jnp.swapaxes(a.reshape(steps, n, -1, a.shape[-1]), 0, 1)
+        reasons, odd = jax.pmap(run, axis_name="data", in_axes=(0, None, 0, 0))(
+            shards, b, per(xs), per(ys)
+        )
+        return np.asarray(reasons[0]), np.asarray(odd[0])
+    mesh = jax.make_mesh((n,), ("data",))
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    sharded = jax.shard_map(
+        run,
+        mesh=mesh,
+        in_specs=(P("data"), P(), P(None, "data"), P(None, "data")),
+        out_specs=(P(), P()),
+    )
+    reasons, odd = jax.jit(sharded)(
+        put(w, P("data")), b, put(xs, P(None, "data")), put(ys, P(None, "data"))
+    )
+    return np.asarray(reasons), np.asarray(odd)
+
+
+@needs_8
+@pytest.mark.parametrize("use_pmap", [False, True], ids=["shard_map", "pmap"])
+def test_zero_sharded_gradients_have_no_false_refusals_on_8_devices(use_pmap):
+    """200 clean steps, none refused; a 100x corruption of one replica's shard is seen by all
+    replicas (the norm is summed over the shards) and refused by all."""
+    # shard_map types each leaf (the weight's gradient varies over the axis, the bias's does
+    # not); pmap does not, so there the gradients are declared sharded.
+    gradients = "sharded" if use_pmap else "auto"
+    reasons, odd = zero_sharded_run(gradients, steps=201, spike_at=120, use_pmap=use_pmap)
+    assert np.flatnonzero(reasons).tolist() == [120]
+    assert reason_names(reasons[120]) == ("grad_norm_spike",)
+    assert set(odd.tolist()) == {-1}
+
+
+@needs_8
+def test_sharded_gradients_compared_as_replicated_are_all_refused_on_8_devices():
+    """What the option fixes: shards compared as if replicated disagree on every step (under
+    shard_map's type check the mix does not even trace)."""
+    reasons, _ = zero_sharded_run("replicated", steps=5, spike_at=-1, use_pmap=True)
+    assert all("replica_mismatch" in reason_names(r) for r in reasons)
