@@ -154,7 +154,9 @@ def test_cli_compare_reports_json_plots_exit_1(tmp_path, capsys):
     assert report["identical"] is False
     assert report["first_divergence"]["module"] == "decoder/block_1/attn"
     assert report["first_divergence"]["level"] == "submodule"
-    assert set(report["levels"]) == {"submodule", "step", "trajectory"}
+    assert (report["status"], report["exit_code"]) == ("diverged", 1)
+    assert set(report["levels"]) == {"inputs", "submodule", "step", "trajectory"}
+    assert all(r["metrics"]["identical"] for r in report["levels"]["inputs"]["rows"])
     assert report["node_b"]["faults"][0]["site"] == "decoder/block_1/attn:scores"
     for png in ("loss_trajectories.png", "submodule_mismatch.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
@@ -173,7 +175,8 @@ def test_cli_unknown_site_exit_2(capsys):
     assert command.main(argv) == 2
     err = capsys.readouterr().err
     assert "unknown site 'decoder/block_9/mlp:output'" in err
-    assert "decoder/block_1/attn:scores.grad_lhs" in err  # the valid sites are listed
+    assert "decoder/block_0/mlp:output" in err  # a close match is named
+    assert "`sdcguard sites` lists every site" in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_sites_lists_injectable_sites(capsys):
@@ -257,7 +260,8 @@ def test_sites_patterns_limit_capture(trace_a):
 
     task = reference_task(steps=STEPS)
     params = task.init_params()
-    taps = Programs(task, select=("decoder/block_1/mlp*",)).taps(params, task.batch(0))
+    # '**' crosses path components: the MLP and its submodules.
+    taps = Programs(task, select=("decoder/block_1/mlp**",)).taps(params, task.batch(0))
     modules = {t.module for t in taps}
     assert modules == {
         "decoder/block_1/mlp",
@@ -267,6 +271,15 @@ def test_sites_patterns_limit_capture(trace_a):
     }
     everything = {t["module"] for t in trace_a.manifest["taps"]}
     assert modules < everything
+    # One grammar: '*' stays within a component; a site name as `sdcguard sites` lists it
+    # (a parameter gradient, an attention site) selects the module that produces it.
+    for pattern, want in (
+        ("decoder/block_1/mlp*", {"decoder/block_1/mlp"}),
+        (GRAD_SITE, {"decoder/block_0/mlp/fc_in"}),
+        ("decoder/block_*/attn:scores", {"decoder/block_0/attn", "decoder/block_1/attn"}),
+    ):
+        taps = Programs(task, select=(pattern,)).taps(params, task.batch(0))
+        assert {t.module for t in taps} == want, pattern
 
 
 def nnx_task():

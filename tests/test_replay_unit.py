@@ -315,7 +315,7 @@ def test_mismatched_fingerprints_exit_2(tmp_path, capsys):
 def test_bad_node_exit_2(capsys):
     assert command.main(["compare", "--node-b", "evil;host"]) == 2
     assert "bad node" in capsys.readouterr().err
-    assert command.main(["compare", "--node-a", "trace:/nonexistent", "--node-b", "gpu7"]) == 2
+    assert command.main(["compare", "--node-a", "trace:/nonexistent", "--node-b", "local"]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 

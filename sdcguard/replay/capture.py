@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
 import functools
 from collections.abc import Iterable, Sequence
 
@@ -36,7 +35,7 @@ import optax
 
 from sdcguard import inject
 from sdcguard.replay.task import ReplayTask
-from sdcguard.sites import module_path_name, site_id
+from sdcguard.sites import module_path_name, site_id, site_pattern
 
 # Every node runs plans of this many faults (unused slots never fire), so that the compiled
 # programs of a healthy and a faulty node are the same.
@@ -52,9 +51,15 @@ def padded_plan(faults: Sequence[inject.Fault] = ()) -> inject.FaultPlan:
     return inject.FaultPlan.from_faults(list(faults), capacity=FAULT_SLOTS)
 
 
-def _with_resolved_injection(fn, armed: frozenset[str], sizes: dict[str, int] | None = None):
+def _with_resolved_injection(
+    fn,
+    armed: frozenset[str],
+    sizes: dict[str, int] | None = None,
+    dtypes: dict[str, str] | None = None,
+):
     """``fn`` traced with injection code only at the ``armed`` sites (see
-    :func:`sdcguard.inject.restrict_sites`); ``sizes`` receives every site's element count.
+    :func:`sdcguard.inject.restrict_sites`); ``sizes`` receives every site's element count,
+    ``dtypes`` its dtype.
 
     The whole trace must be covered, not just the forward: the backward injection points
     (``...grad_lhs``) are traced when ``value_and_grad`` transposes, after the forward returns.
@@ -64,7 +69,7 @@ def _with_resolved_injection(fn, armed: frozenset[str], sizes: dict[str, int] | 
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        with inject.restrict_sites(armed, sizes=sizes):
+        with inject.restrict_sites(armed, sizes=sizes, dtypes=dtypes):
             return fn(*args, **kwargs)
 
     return wrapped
@@ -163,6 +168,18 @@ def _swap_bwd(residuals, g):
 _swap.defvjp(_swap_fwd, _swap_bwd)
 
 
+def selects(pattern: str, module: str) -> bool:
+    """Whether a ``--sites`` pattern selects ``module`` for capture.
+
+    Patterns follow :func:`sdcguard.sites.site_pattern`. One without ``:`` is matched against
+    module paths (``decoder/block_*/mlp``, ``decoder/**``); one with ``:`` names sites
+    (``decoder/block_0/mlp/fc_in:kernel.grad``, ``decoder/block_1/attn:scores``) and selects
+    the modules whose path its part before the last ``:`` matches.
+    """
+    path = pattern.rpartition(":")[0] if ":" in pattern else pattern
+    return site_pattern(path).fullmatch(module) is not None
+
+
 class Hooks:
     """The ``nn.intercept_methods`` interceptor of a replay run.
 
@@ -171,7 +188,7 @@ class Hooks:
 
     Args:
       plan: the (traced) fault plan.
-      select: patterns (fnmatch) of module paths or site names to capture; None = all.
+      select: ``--sites`` patterns of the modules to capture (:func:`selects`); None = all.
       mode: ``None`` (no capture), ``'discover'`` (record Tap descriptions only), or
         ``'capture'`` (record values, swap in references when ``use_ref``).
       sinks, fwd_refs, bwd_refs, use_ref: arrays of the capture program (mode 'capture').
@@ -202,10 +219,7 @@ class Hooks:
             return False
         if not self.select:
             return True
-        return any(
-            fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(path + ":output", p)
-            for p in self.select
-        )
+        return any(selects(p, path) for p in self.select)
 
     def _tap(self, name, x, *, module, kind, fwd_producer, bwd_producer):
         diff = jnp.issubdtype(x.dtype, jnp.inexact)
@@ -336,6 +350,7 @@ class Programs:
         # Compiled executables and their HLO hashes, by program name (see record.py).
         self.compiled: dict[str, tuple] = {}
         self._site_sizes: dict[str, int] | None = None
+        self._site_dtypes: dict[str, str] = {}
 
     # --- the train step --------------------------------------------------------------------
 
@@ -374,10 +389,15 @@ class Programs:
         """
         if self._site_sizes is None:
             sizes: dict[str, int] = {}
-            fn = _with_resolved_injection(self._train_step, frozenset(), sizes)
+            fn = _with_resolved_injection(self._train_step, frozenset(), sizes, self._site_dtypes)
             jax.eval_shape(fn, params, opt_state, batch, padded_plan())
             self._site_sizes = sizes
         return self._site_sizes
+
+    def site_dtypes(self, params, opt_state, batch) -> dict[str, str]:
+        """``{site: dtype name}`` of every injection site (same tracing as :meth:`site_sizes`)."""
+        self.site_sizes(params, opt_state, batch)
+        return self._site_dtypes
 
     def taps(self, params, batch) -> list[Tap]:
         return self.discover(params, batch).taps

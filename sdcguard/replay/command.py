@@ -1,7 +1,11 @@
-"""``sdcguard record | compare | sites``: the command line of deterministic replay.
+"""``sdcguard record | compare | scan | sites``: the command line of deterministic replay.
 
-Exit codes: 0 identical (or success), 1 divergence found, 2 could not compare (bad input,
-unusable trace, mismatched fingerprints, a node that failed).
+Exit codes, on every path: 0 identical (or success), 1 divergence found (``compare``: node B
+differs from A; ``scan``: suspects outside a bit-identical majority), 2 could not compare
+(bad arguments, unusable trace, mismatched fingerprints, a node that failed or timed out, an
+output that cannot be written, an interruption, an internal error). Errors are one line on
+stderr (``sdcguard: error: ...``); with ``--json`` the report is written on exit 2 too, with
+``status: "error"`` and the reason. Every argument is checked before any node runs.
 """
 
 from __future__ import annotations
@@ -22,30 +26,95 @@ def _csv(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+SITES_HELP = (
+    "capture only these submodules: comma list of patterns, module paths "
+    "('decoder/block_*/mlp', 'decoder/**') or site names as `sdcguard sites` lists them "
+    "(their module is captured); '*' matches within one path component, '**' across, '?' one "
+    "character; each must match something"
+)
+SPEC_HELP = (
+    "fault spec site=SITE,kind=KIND[,index=I][,step=T][,bit=B][,value=V][,seed=N], e.g. "
+    "site=decoder/block_1/attn:scores,kind=bitflip,bit=27,index=4037,step=0; SITE as "
+    "`sdcguard sites` lists it; KIND inf, -inf, nan, near_inf, bitflip, value, scale; index "
+    "below the site's size (default: drawn from seed); step a step that runs (default -1: every "
+    "step); bit below the width of the site's dtype; repeatable"
+)
+
+
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     from sdcguard.replay.record import LEVELS
     from sdcguard.replay.task import DEFAULT_TASK
 
-    p.add_argument("--task", default=DEFAULT_TASK, help="module:function returning a ReplayTask")
+    p.add_argument(
+        "--task",
+        default=DEFAULT_TASK,
+        help="module:function returning a sdcguard.ReplayTask (default: the reference GPT)",
+    )
     p.add_argument("--steps", type=int, help="training steps (default: the task's)")
     p.add_argument("--seed", type=int, help="parameter seed (default: the task's)")
     p.add_argument("--checkpoint", help="Orbax checkpoint directory of the parameters")
     p.add_argument("--levels", type=_csv, default=LEVELS, help="comma list of " + ",".join(LEVELS))
-    p.add_argument("--sites", type=_csv, help="capture only these submodules (fnmatch patterns)")
+    p.add_argument("--sites", type=_csv, help=SITES_HELP)
+
+
+def _add_node_flags(p: argparse.ArgumentParser) -> None:
+    from sdcguard.replay.nodes import DEFAULT_REMOTE_COMMAND, DEFAULT_TIMEOUT
+
+    p.add_argument(
+        "--launcher",
+        help="how to reach a host node: a command template containing {node}, e.g. "
+        "'ssh {node}' or 'srun -w {node} --' (split like a shell would, run without one); it "
+        "may print anything (a login banner): the trace comes back in a marked stream",
+    )
+    p.add_argument(
+        "--remote-command",
+        default=DEFAULT_REMOTE_COMMAND,
+        help="how sdcguard is invoked on a host (default: %(default)s)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help="seconds a node may take to deliver its trace before it is stopped "
+        "(default: %(default)g)",
+    )
+
+
+def _add_output_flags(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--json",
+        dest="json_file",
+        metavar="FILE",
+        help=f"write the JSON report ({what}; also on exit 2, with the reason)",
+    )
+    p.add_argument("--out", help="directory for the report's plots and the traces (kept)")
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the traces in a temporary directory (printed) when there is no --out; "
+        "by default they are removed",
+    )
 
 
 def register(subparsers) -> None:
-    """Adds ``record``, ``compare`` and ``sites`` to the ``sdcguard`` command line."""
+    """Adds ``record``, ``compare``, ``scan`` and ``sites`` to the ``sdcguard`` command line."""
     p = subparsers.add_parser("record", help="run a replay task here and write its trace")
     _add_run_flags(p)
-    p.add_argument("--out", required=True, help="trace directory ('-': tar stream on stdout)")
     p.add_argument(
-        "--inject",
-        action="append",
-        default=[],
-        metavar="SPEC",
-        help="fault spec, e.g. site=decoder/block_1/attn:scores,kind=bitflip,bit=27",
+        "--out",
+        required=True,
+        help="trace directory, or '-': the trace as a framed stream on stdout (what "
+        "compare and scan read from a node; the task's own prints go to stderr)",
     )
+    p.add_argument("--inject", action="append", default=[], metavar="SPEC", help=SPEC_HELP)
     p.add_argument("--reference", help="healthy node's trace to lock-step to ('-': stdin)")
     p.add_argument(
         "--arm",
@@ -54,14 +123,31 @@ def register(subparsers) -> None:
         "those of --inject); compared nodes must arm the same sites",
     )
     p.add_argument("--device", type=int, default=0, help="local device index")
+    p.add_argument(
+        "--stream-token",
+        default="sdcguard",
+        help="token marking the trace stream of --out - (set by compare and scan)",
+    )
     p.set_defaults(handler=record_command)
 
     p = subparsers.add_parser("compare", help="replay a task on two nodes and diff them")
     _add_run_flags(p)
     p.add_argument("--node-a", default="local", help="healthy node (default: local)")
     p.add_argument("--node-b", default="local", help="suspect node (default: local)")
-    p.add_argument("--inject-a", action="append", default=[], metavar="SPEC")
-    p.add_argument("--inject-b", action="append", default=[], metavar="SPEC")
+    p.add_argument(
+        "--inject-a",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a fault for node A to simulate (see record --inject); repeatable",
+    )
+    p.add_argument(
+        "--inject-b",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a fault for node B to simulate (see record --inject); repeatable",
+    )
     p.add_argument(
         "--arm",
         type=_csv,
@@ -69,25 +155,47 @@ def register(subparsers) -> None:
         help="extra sites to compile injection "
         "code for on both nodes (default: the sites of --inject-a/-b)",
     )
-    p.add_argument("--launcher", help="how to reach a host node, e.g. 'ssh {node}'")
-    p.add_argument("--remote-command", default="sdcguard", help="sdcguard on the host")
+    _add_node_flags(p)
     p.add_argument(
         "--allow-mismatch",
         action="store_true",
         help="compare even if the environment fingerprints differ",
     )
-    p.add_argument("--json", dest="json_file", metavar="FILE", help="write the JSON report")
-    p.add_argument("--out", help="directory for PNG plots and the traces")
+    _add_output_flags(p, "exit_code, identical, first_divergence, one table per level")
     p.set_defaults(handler=compare_command)
 
+    p = subparsers.add_parser(
+        "scan",
+        help="run the same step on many nodes and name those outside a bit-identical majority",
+        description="Runs the task on every node (in parallel), groups the nodes by what they "
+        "computed, and names the nodes outside a strict bit-identical majority as suspects, "
+        "each with its first divergence (lock-step rerun). Exit 0: all agree; 1: suspects; "
+        "2: no majority, or a node could not be compared.",
+    )
+    _add_run_flags(p)
+    p.add_argument(
+        "--nodes",
+        type=_csv,
+        required=True,
+        help="comma list of nodes: host names (through --launcher), local:N, trace:DIR, local",
+    )
+    p.add_argument("--jobs", type=int, default=8, help="nodes run at a time (default: 8)")
+    _add_node_flags(p)
+    _add_output_flags(p, "status, exit_code, suspects, groups, one entry per node")
+    p.set_defaults(handler=scan_command)
+
     p = subparsers.add_parser("sites", help="list the sites of a replay task")
-    p.add_argument("--task", default="sdcguard.replay.task:reference_task")
+    p.add_argument(
+        "--task",
+        default="sdcguard.replay.task:reference_task",
+        help="module:function returning a sdcguard.ReplayTask (default: the reference GPT)",
+    )
+    p.add_argument(
+        "--match",
+        metavar="PATTERN",
+        help="list only the sites and submodules this --sites pattern matches (exit 2 if none)",
+    )
     p.set_defaults(handler=sites_command)
-
-
-def _error(message: str) -> int:
-    print(f"sdcguard: error: {message}", file=sys.stderr)
-    return EXIT_ERROR
 
 
 def _record_options(args, **extra):
@@ -105,47 +213,116 @@ def _record_options(args, **extra):
 
 
 @contextlib.contextmanager
-def _progress():
-    """A ``progress(phase, done, total)`` callback drawing rich progress bars on stderr."""
+def _progress(log_lines: bool = True):
+    """``progress(node, phase, done, total)`` and ``log(node, line)`` drawing on stderr."""
     from rich.console import Console
-    from rich.progress import Progress
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.text import Text
 
+    console = Console(stderr=True)
+    if not console.is_terminal:  # a log: a line per finished node, no bars
+
+        def line(node: str, phase: str, done: int, total: int) -> None:
+            if phase in ("done", "failed"):
+                print(f"{node}: {phase}", file=sys.stderr, flush=True)
+
+        def echo(node: str, text: str) -> None:
+            if log_lines:
+                print(f"[{node}] {text}", file=sys.stderr, flush=True)
+
+        yield line, echo
+        return
     tasks: dict[str, int] = {}
-    with Progress(console=Console(stderr=True), transient=True) as bar:
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
 
-        def update(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = bar.add_task(phase, total=total)
-            bar.update(tasks[phase], completed=done)
+        def update(node: str, phase: str, done: int, total: int) -> None:
+            if node not in tasks:
+                tasks[node] = bar.add_task(node, total=total)
+            bar.update(tasks[node], description=f"{node}: {phase}", completed=done, total=total)
 
-        yield update
+        def log(node: str, line: str) -> None:
+            if log_lines:
+                bar.console.print(Text(f"[{node}] {line}", style="dim"))
+
+        yield update, log
 
 
-def _guarded(fn):
-    """Runs a command; expected failures become a message and exit code 2."""
+def _message(e: BaseException) -> str:
+    from sdcguard.cli import one_line
     from sdcguard.replay.diff import FingerprintMismatch
     from sdcguard.replay.nodes import NodeError
     from sdcguard.replay.task import TaskError
     from sdcguard.replay.trace import TraceError
 
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(e, FingerprintMismatch):
+        return str(e)  # the list of differences, one per line, is the message
+    if isinstance(e, NodeError | TaskError | TraceError | ValueError):
+        return str(e).strip()
+    if isinstance(e, OSError):
+        where = f" {e.filename}" if e.filename else ""
+        return f"{e.strerror or type(e).__name__}:{where}"
+    return "internal error: " + one_line(e)
+
+
+def _run(args, fn, command: str) -> int:
+    """Runs a command; every failure becomes one message on stderr and exit code 2.
+
+    With ``--json``, the report is written on that path too (``status: error``).
+    """
+    from sdcguard.cli import check_output_dir, check_output_file, error
+
+    json_file = getattr(args, "json_file", None)
+    json_ok = False
     try:
-        return fn()
-    except (FingerprintMismatch, NodeError, TaskError, TraceError, ValueError) as e:
-        return _error(str(e))
+        if json_file:
+            check_output_file(json_file, "--json")
+            json_ok = True
+        if getattr(args, "out", None) and command != "record":
+            check_output_dir(args.out, "--out")
+        return fn(args)
+    except (Exception, KeyboardInterrupt) as e:
+        message = _message(e)
+    error(message)
+    if json_ok:
+        from sdcguard.replay.report import write_doc
+
+        with contextlib.suppress(OSError):
+            write_doc(
+                {"status": "error", "exit_code": EXIT_ERROR, "command": command, "error": message},
+                json_file,
+            )
+    return EXIT_ERROR
 
 
 def record_command(args) -> int:
     determinism.configure()
-    return _guarded(lambda: _record(args))
+    return _run(args, _record, "record")
 
 
 def _record(args) -> int:
+    from sdcguard.replay.nodes import progress_line
     from sdcguard.replay.record import open_trace, record
-    from sdcguard.replay.trace import read_trace_stream, write_tar
+    from sdcguard.replay.trace import check_token, read_trace_stream, write_trace_frames
 
     armed = None if args.arm is None else tuple(s for s in args.arm if s != "-")
     options = _record_options(args, inject=tuple(args.inject), armed=armed, device=args.device)
     options.faults()  # malformed specs fail before any work
+    stream = None
+    if args.out == "-":
+        check_token(args.stream_token)
+        # The trace gets the real stdout; from here on everything else written to fd 1 (the
+        # task's prints, a library's messages) goes to stderr and cannot corrupt the stream.
+        sys.stdout.flush()
+        stream = os.fdopen(os.dup(1), "wb")
+        os.dup2(2, 1)
     scratch = tempfile.mkdtemp(prefix="sdcguard-record-")
     try:
         reference = None
@@ -153,13 +330,20 @@ def _record(args) -> int:
             reference = read_trace_stream(sys.stdin.buffer, os.path.join(scratch, "reference"))
         elif args.reference:
             reference = open_trace(args.reference)
-        out = os.path.join(scratch, "trace") if args.out == "-" else args.out
-        with _progress() as progress:
+        out = os.path.join(scratch, "trace") if stream else args.out
+        if stream:
+
+            def progress(phase, done, total):
+                print(progress_line(phase, done, total), file=sys.stderr, flush=True)
+
             manifest = record(options, out, reference=reference, progress=progress)
-        if args.out == "-":
-            write_tar(out, sys.stdout.buffer)
-            sys.stdout.buffer.flush()
+            write_trace_frames(out, stream, args.stream_token)
+            stream.close()
         else:
+            with _progress() as (update, _):
+                manifest = record(
+                    options, out, reference=reference, progress=lambda *a: update("record", *a)
+                )
             print(f"wrote trace {args.out} ({len(manifest['arrays'])} arrays)", file=sys.stderr)
         return EXIT_IDENTICAL
     finally:
@@ -168,7 +352,7 @@ def _record(args) -> int:
 
 def compare_command(args) -> int:
     determinism.configure()
-    return _guarded(lambda: _compare(args))
+    return _run(args, _compare, "compare")
 
 
 def _compare(args) -> int:
@@ -186,42 +370,89 @@ def _compare(args) -> int:
         armed=tuple(s for s in args.arm if s != "-"),
         launcher=args.launcher,
         remote_command=args.remote_command,
+        timeout=args.timeout,
         allow_mismatch=args.allow_mismatch,
         workdir=os.path.join(args.out, "traces") if args.out else None,
+        keep=args.keep,
     )
-    if options.workdir:
-        os.makedirs(options.workdir, exist_ok=True)
-    with _progress() as progress:
-        comparison = compare_nodes(options, progress=progress)
+    with _progress() as (update, log):
+        comparison = compare_nodes(options, progress=update, log=log)
     # Wide enough for site names when the output is not a terminal (pipes, CI logs).
     report.render(comparison, Console(width=None if sys.stdout.isatty() else 160))
+    code = EXIT_IDENTICAL if comparison.identical else EXIT_DIVERGED
+    if args.keep and not args.out:
+        print(f"kept the traces: {comparison.a['trace']}, {comparison.b['trace']}", file=sys.stderr)
     if args.json_file:
-        report.write_json(comparison, args.json_file)
+        status = "identical" if code == EXIT_IDENTICAL else "diverged"
+        report.write_json(comparison, args.json_file, status=status, exit_code=code)
     if args.out:
         report.write_plots(comparison, args.out)
-    return EXIT_IDENTICAL if comparison.identical else EXIT_DIVERGED
+    return code
+
+
+def scan_command(args) -> int:
+    determinism.configure()
+    return _run(args, _scan, "scan")
+
+
+def _scan(args) -> int:
+    from rich.console import Console
+
+    from sdcguard.replay import report
+    from sdcguard.replay.scan import ScanOptions, scan_nodes
+
+    options = ScanOptions(
+        nodes=args.nodes,
+        record=_record_options(args),
+        launcher=args.launcher,
+        remote_command=args.remote_command,
+        timeout=args.timeout,
+        jobs=args.jobs,
+        workdir=os.path.join(args.out, "traces") if args.out else None,
+        keep=args.keep,
+    )
+    # Many nodes: their stderr is kept for the error messages, not echoed.
+    with _progress(log_lines=False) as (update, log):
+        result = scan_nodes(options, progress=update, log=log)
+    report.render_scan(result, Console(width=None if sys.stdout.isatty() else 160))
+    if args.keep and not args.out:
+        kept = sorted({os.path.dirname(n.trace) for n in result.nodes if n.trace})
+        print(f"kept the traces in {', '.join(kept)}", file=sys.stderr)
+    if args.json_file:
+        report.write_doc({"command": "scan", **result.to_json()}, args.json_file)
+    return result.exit_code
 
 
 def sites_command(args) -> int:
     determinism.configure()
-    return _guarded(lambda: _sites(args))
+    return _run(args, _sites, "sites")
 
 
 def _sites(args) -> int:
-    from sdcguard.replay.capture import Programs
+    import jax
+
+    from sdcguard.replay.capture import Programs, selects
     from sdcguard.replay.task import load_task
+    from sdcguard.sites import match_sites
 
     task = load_task(args.task)
-    params = task.init_params()
+    params = jax.eval_shape(task._init_from_seed)
     programs = Programs(task)
     batch = task.batch(0)
-    sizes = programs.site_sizes(params, task.optimizer.init(params), batch)
-    for name in sizes:
+    sizes = programs.site_sizes(params, jax.eval_shape(task.optimizer.init, params), batch)
+    taps = programs.taps(params, batch)
+    modules = sorted({t.module for t in taps})
+    names = list(sizes)
+    if args.match:
+        names = match_sites(args.match, [*sizes, *(t.name for t in taps if t.name not in sizes)])
+        modules = [m for m in modules if selects(args.match, m)]
+        if not names and not modules:
+            raise ValueError(f"--match {args.match!r} matches no site or submodule of the task")
+    for name in names:
         print(name)
-    modules = sorted({t.module for t in programs.taps(params, batch)})
     print(
-        f"{len(sizes)} sites; --sites patterns match these {len(modules)} submodules: "
-        + ", ".join(modules),
+        f"{len(names)} sites; --sites {args.match or ''} selects these {len(modules)} "
+        "submodules: " + ", ".join(modules),
         file=sys.stderr,
     )
     return EXIT_IDENTICAL

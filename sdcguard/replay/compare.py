@@ -2,16 +2,23 @@
 
 Node A runs first and freely; node B runs with A's trace as its reference (lock-step at the
 submodule level, parameter synchronisation in the trajectory level). Both arm the same
-fault-injection sites, so they compile the same programs.
+fault-injection sites, so they compile the same programs. Everything that can be checked
+without running a node (names, launcher, fault specs, ``--sites`` patterns) is checked first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import shutil
 import tempfile
 
 from sdcguard.replay import diff, nodes
-from sdcguard.replay.record import RecordOptions
+from sdcguard.replay.record import RecordOptions, check_options
+from sdcguard.replay.trace import clean_stale, private_tmpdir
+
+WORKDIR_PREFIX = "sdcguard-replay"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,8 +33,11 @@ class CompareOptions:
         ``inject_a``/``inject_b``), e.g. to compare with traces recorded with such faults.
       launcher: template for host nodes (``ssh {node}``).
       remote_command: how sdcguard is invoked on a host.
+      timeout: seconds each node may take (None: no limit).
       allow_mismatch: compare even if the fingerprints differ.
-      workdir: where the traces are kept (a temporary directory if None).
+      workdir: where the traces are written and kept; None: a temporary directory, removed
+        at the end unless ``keep``.
+      keep: keep the temporary directory (its path is in the comparison's node summaries).
     """
 
     node_a: str = "local"
@@ -38,8 +48,10 @@ class CompareOptions:
     armed: tuple[str, ...] = ()
     launcher: str | None = None
     remote_command: str = nodes.DEFAULT_REMOTE_COMMAND
+    timeout: float | None = nodes.DEFAULT_TIMEOUT
     allow_mismatch: bool = False
     workdir: str | None = None
+    keep: bool = False
 
     def node_options(self) -> tuple[RecordOptions, RecordOptions]:
         """Record options of A and B: their own faults, the union of both armed."""
@@ -48,44 +60,102 @@ class CompareOptions:
         armed = tuple(sorted(set(a.armed_sites()) | set(b.armed_sites()) | set(self.armed)))
         return (dataclasses.replace(a, armed=armed), dataclasses.replace(b, armed=armed))
 
+    def launch(self) -> nodes.Launch:
+        return nodes.Launch(
+            launcher=self.launcher, remote_command=self.remote_command, timeout=self.timeout
+        )
 
-def compare_nodes(options: CompareOptions, *, progress=None) -> diff.Comparison:
+
+def check(options: CompareOptions) -> tuple[nodes.Node, nodes.Node]:
+    """Checks every option that can be checked before a node runs; returns the parsed nodes.
+
+    The task is loaded here (and fault specs and ``--sites`` patterns checked against it)
+    when a node runs here (``local``, ``local:N``) or the options name sites; a comparison of
+    host nodes alone with neither does not need the task on this machine.
+
+    Raises:
+      NodeError, TaskError, ValueError: one line, naming what is wrong.
+    """
+    node_a, node_b = nodes.check_nodes([options.node_a, options.node_b], options.launch())
+    opts_a, opts_b = options.node_options()
+    for opts in (opts_a, opts_b):
+        opts.faults()  # a malformed spec fails here, with no task loaded
+    runs_here = {node_a.kind, node_b.kind} & {"local", "device"}
+    names_sites = opts_a.inject or opts_b.inject or opts_a.armed or opts_a.sites
+    if runs_here or names_sites:
+        if node_a.kind == "trace" and node_b.kind == "trace":
+            return node_a, node_b  # nothing runs: the traces carry their own options
+        if node_a.kind != "trace":
+            check_options(opts_a)
+        check_options(opts_b)
+    return node_a, node_b
+
+
+@contextlib.contextmanager
+def workdir(path: str | None, keep: bool):
+    """The directory traces are written to: ``path``, or a temporary one removed at the end
+    unless ``keep``. Stale temporary directories of killed runs on this host are removed."""
+    if path is not None:
+        os.makedirs(path, exist_ok=True)
+        yield path, False
+        return
+    parent = tempfile.gettempdir()
+    clean_stale(parent, WORKDIR_PREFIX)
+    tmp = private_tmpdir(WORKDIR_PREFIX, parent)
+    try:
+        yield tmp, not keep
+    finally:
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def compare_nodes(options: CompareOptions, *, progress=None, log=None) -> diff.Comparison:
     """Records (or opens) both nodes' traces and compares B against A.
+
+    Args:
+      options: the comparison.
+      progress: ``progress(node, phase, done, total)``.
+      log: ``log(node, line)`` for every line a node process prints on stderr.
 
     Raises:
       NodeError, TaskError, TraceError, ValueError, diff.FingerprintMismatch.
     """
-    node_a, node_b = nodes.parse_node(options.node_a), nodes.parse_node(options.node_b)
+    node_a, node_b = check(options)
     opts_a, opts_b = options.node_options()
-    for opts in (opts_a, opts_b):
-        opts.faults()  # a malformed spec fails here, before anything runs
-    if opts_a.inject or opts_b.inject:
-        _check_sites(opts_b)
-    workdir = options.workdir or tempfile.mkdtemp(prefix="sdcguard-replay-")
-    common = dict(
-        workdir=workdir,
-        launcher=options.launcher,
-        remote_command=options.remote_command,
-        progress=progress,
-    )
-    trace_a = nodes.run_node(node_a, opts_a, **common)
-    if node_a.kind == "trace" and node_b.kind != "trace":
-        # B replays what A recorded: same task, steps, levels, captured and armed sites.
-        opts_b = dataclasses.replace(
-            RecordOptions.from_json(trace_a.manifest.get("options", {})), inject=opts_b.inject
-        )
-    trace_b = nodes.run_node(node_b, opts_b, reference=trace_a, **common)
-    return diff.compare(trace_a, trace_b, allow_mismatch=options.allow_mismatch)
+    processes = nodes.Processes()
+    try:
+        with workdir(options.workdir, options.keep) as (work, removed):
+
+            def run(node, opts, name, reference=None):
+                return nodes.run_node(
+                    node,
+                    opts,
+                    out=os.path.join(work, name),
+                    reference=reference,
+                    launch=options.launch(),
+                    progress=_bind(progress, str(node)),
+                    log=_bind(log, str(node)),
+                    processes=processes,
+                )
+
+            trace_a = run(node_a, opts_a, "a")
+            if node_a.kind == "trace" and node_b.kind != "trace":
+                # B replays what A recorded: same task, steps, levels, captured and armed sites.
+                opts_b = dataclasses.replace(
+                    RecordOptions.from_json(trace_a.manifest.get("options", {})),
+                    inject=opts_b.inject,
+                )
+                check_options(opts_b)
+            trace_b = run(node_b, opts_b, "b", reference=trace_a)
+            comparison = diff.compare(trace_a, trace_b, allow_mismatch=options.allow_mismatch)
+            if removed:  # the traces go with the temporary directory
+                for summary, node in ((comparison.a, node_a), (comparison.b, node_b)):
+                    if node.kind != "trace":
+                        summary["trace"] = None
+            return comparison
+    finally:
+        processes.kill_all()
 
 
-def _check_sites(options: RecordOptions) -> None:
-    """Unknown fault sites fail before any node runs (tracing only, nothing compiled)."""
-    from sdcguard.replay.record import programs_for
-
-    task = options.load_task()
-    params = task.init_params()
-    sites = programs_for(task, options).sites(params, task.optimizer.init(params), task.batch(0))
-    for spec in options.armed_sites():
-        if spec not in sites:
-            listing = "\n  ".join(sites)
-            raise ValueError(f"unknown site {spec!r}; valid sites:\n  {listing}")
+def _bind(fn, node: str):
+    return None if fn is None else (lambda *args: fn(node, *args))

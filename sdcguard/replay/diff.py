@@ -9,6 +9,12 @@ fingerprints of numerical drift):
 * ``max_abs_diff``, ``max_ulp``: worst absolute and units-in-the-last-place distance;
 * ``noise_to_signal``: ``‖b - a‖₂ / ‖a‖₂``;
 * ``cosine``: cosine similarity of ``a`` and ``b`` flattened.
+
+Levels in execution order: ``inputs`` (what each node computed before training: parameters
+as initialised or restored, optimizer state, batches; compared by hash, and by value where
+both traces hold the tensor), ``submodule``, ``step``, ``trajectory``. Inputs that differ
+between nodes that ran the same task, code and environment are a finding about the node,
+not a configuration error: they come first.
 """
 
 from __future__ import annotations
@@ -120,7 +126,7 @@ class Row:
     """One compared tensor.
 
     Attributes:
-      level: ``submodule``, ``step`` or ``trajectory``.
+      level: ``inputs``, ``submodule``, ``step`` or ``trajectory``.
       name: the tensor (``decoder/block_0/mlp:output``, ``grads/embed:embedding``, ...).
       direction: ``forward``, ``backward`` or ``-``.
       module: who produced it (the submodule to blame, lock-step level), else ``-``.
@@ -249,9 +255,14 @@ def compare(a: Trace, b: Trace, *, allow_mismatch: bool = False) -> Comparison:
             f"armed injection sites: {armed_a} (A) != {armed_b} (B); record both with the "
             "same --arm"
         )
+    hashes_a, hashes_b = a.manifest.get("input_hashes"), b.manifest.get("input_hashes")
+    levels: dict = {}
+    if hashes_a is not None and hashes_b is not None:
+        # Inputs are compared leaf by leaf below: a difference there is a finding.
+        diffs = [d for d in diffs if not d.startswith("inputs[")]
+        levels["inputs"] = {"rows": _input_rows(a, b, hashes_a, hashes_b)}
     if diffs and not allow_mismatch:
         raise FingerprintMismatch(diffs)
-    levels: dict = {}
     common = [lv for lv in a.manifest["levels"] if lv in b.manifest["levels"]]
     lockstep = b.manifest.get("reference") == a.content_hash
     if "submodule" in common:
@@ -271,6 +282,58 @@ def compare(a: Trace, b: Trace, *, allow_mismatch: bool = False) -> Comparison:
         lockstep=lockstep,
         fingerprint_differences=diffs,
     )
+
+
+def _same(size: int) -> dict:
+    return {
+        "identical": True,
+        "size": size,
+        "mismatch_frequency": 0.0,
+        "mismatch_severity": 0.0,
+        "max_abs_diff": 0.0,
+        "max_ulp": 0.0,
+        "noise_to_signal": 0.0,
+        "cosine": 1.0,
+    }
+
+
+# Where a trace holds an input's values: the free run's first step, or the inputs a node
+# records when they differ from its reference's.
+_INPUT_KEYS = {
+    "params": ("traj/free/0/params/", "inputs/params/"),
+    "opt": ("traj/free/0/opt/", "inputs/opt/"),
+}
+
+
+def _input_value(t: Trace, key: str):
+    group, _, name = key.partition("/")
+    for prefix in _INPUT_KEYS.get(group, ()):
+        if prefix + name in t:
+            return t.get(prefix + name)
+    return None
+
+
+def _input_rows(a: Trace, b: Trace, hashes_a: dict, hashes_b: dict) -> list[Row]:
+    """One row per input leaf, in the order of A's (then B's) hashes."""
+    rows = []
+    for key in [*hashes_a, *(k for k in hashes_b if k not in hashes_a)]:
+        if hashes_a.get(key) == hashes_b.get(key):
+            rows.append(Row("inputs", key, "-", "-", _same(-1)))
+            continue
+        va, vb = _input_value(a, key), _input_value(b, key)
+        if va is not None and vb is not None:
+            metrics = tensor_metrics(va, vb)
+        else:
+            unknown = ("mismatch_frequency", "mismatch_severity", "max_abs_diff", "max_ulp")
+            metrics = {
+                "identical": False,
+                "size": -1,
+                **dict.fromkeys((*unknown, "noise_to_signal", "cosine"), math.nan),
+                "note": "hashes differ; the values are not in both traces",
+            }
+        metrics["identical"] = False  # the hashes differ (dtype, shape or bytes)
+        rows.append(Row("inputs", key, "-", "-", metrics))
+    return rows
 
 
 def _pair(a: Trace, b: Trace, key: str):

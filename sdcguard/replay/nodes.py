@@ -5,32 +5,64 @@ Node names:
   ``local:N``      a subprocess here, pinned to device N (its own JAX runtime).
   ``trace:DIR``    a trace recorded before (``sdcguard record``).
   ``HOST``         any other name: run ``sdcguard record`` there through ``--launcher``
-                   (``ssh {node}``, ``srun -w {node} --``), the trace coming back as a tar
-                   stream on the launcher's stdout (and the reference going in on its stdin).
+                   (``ssh {node}``, ``srun -w {node} --``).
 
 Nothing passes through a local shell: the launcher template is split with ``shlex`` into an
 argv list and ``{node}`` is substituted into single arguments. Host names are validated
 (host-name characters only). For ``ssh``, which hands its arguments to the remote shell, the
 command's arguments are quoted with ``shlex.quote``.
+
+The protocol with a node's process (``local:N`` and hosts), which cannot deadlock:
+
+* stdin: the reference trace as a tar, written from its own thread, or nothing.
+* stdout: the trace as a *framed* stream (:func:`sdcguard.replay.trace.write_trace_frames`)
+  marked with a token this process chooses. Anything else on stdout, before or after the
+  trace (an ssh login banner, a launcher's messages), is kept apart, never taken for the
+  trace. ``record --out -`` sends everything the task itself prints to stderr.
+* stderr: read line by line from its own thread; lines ``sdcguard-progress: {json}`` drive
+  the progress display, the others are passed to ``log`` and the last few kept for the error
+  message.
+* A time-out per node (``timeout``): past it the node's whole process group is killed and
+  the error names the node. The parent reads both pipes until they close, so a node never
+  blocks on a full pipe.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import json
 import os
 import re
+import secrets
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
-import tempfile
 import threading
+import time
+from collections.abc import Callable, Sequence
 
 from sdcguard.replay.record import RecordOptions, open_trace, record
-from sdcguard.replay.trace import Trace, TraceError, read_trace_stream, write_tar
+from sdcguard.replay.trace import (
+    Trace,
+    TraceError,
+    publish,
+    read_trace_frames,
+    receive_dir,
+    write_tar,
+)
 
 _HOST = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 DEFAULT_REMOTE_COMMAND = "sdcguard"
+DEFAULT_TIMEOUT = 3600.0  # seconds per node: compilation of a large model included
+PROGRESS_PREFIX = "sdcguard-progress: "
+_TAIL_LINES = 20
+
+Progress = Callable[[str, int, int], None]  # progress(phase, done, total)
+Log = Callable[[str], None]  # one line a node printed
 
 
 class NodeError(ValueError):
@@ -51,6 +83,25 @@ class Node:
             "trace": f"trace:{self.value}",
             "host": self.value,
         }[self.kind]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Launch:
+    """How node processes are started and how long they may take.
+
+    Attributes:
+      launcher: template for host nodes, e.g. ``ssh {node}`` (must contain ``{node}``).
+      remote_command: how sdcguard is invoked on a host (split with shlex).
+      timeout: seconds a node may take to deliver its trace (None: no limit).
+    """
+
+    launcher: str | None = None
+    remote_command: str = DEFAULT_REMOTE_COMMAND
+    timeout: float | None = DEFAULT_TIMEOUT
+
+    def __post_init__(self):
+        if self.timeout is not None and not self.timeout > 0:
+            raise NodeError(f"--timeout must be > 0 seconds, got {self.timeout}")
 
 
 def parse_node(name: str) -> Node:
@@ -75,8 +126,41 @@ def parse_node(name: str) -> Node:
     return Node("host", name)
 
 
-def record_argv(options: RecordOptions, *, reference: bool) -> list[str]:
-    """The ``record`` arguments that reproduce ``options`` on another process or host."""
+def check_nodes(names: Sequence[str], launch: Launch) -> list[Node]:
+    """Parses node names and checks that each can be reached; nothing runs.
+
+    Raises:
+      NodeError: a bad name, a host without a launcher, a launcher template without
+        ``{node}`` or that shlex cannot split, a remote command shlex cannot split.
+    """
+    parsed = [parse_node(n) for n in names]
+    if any(n.kind == "host" for n in parsed):
+        host = next(str(n) for n in parsed if n.kind == "host")
+        if not launch.launcher:
+            raise NodeError(
+                f"node {host} is a host: give --launcher (e.g. 'ssh {{node}}' or "
+                "'srun -w {node} --') to run sdcguard record there"
+            )
+        launcher_argv(launch.launcher, host, [])
+        _remote(launch.remote_command)
+    return parsed
+
+
+def _remote(remote_command: str) -> list[str]:
+    try:
+        parts = shlex.split(remote_command)
+    except ValueError as e:
+        raise NodeError(f"bad --remote-command {remote_command!r}: {e}") from None
+    if not parts:
+        raise NodeError("empty --remote-command")
+    return parts
+
+
+def record_argv(options: RecordOptions, *, reference: bool, token: str = "") -> list[str]:
+    """The ``record`` arguments that reproduce ``options`` on another process or host.
+
+    ``token`` marks the framed trace stream on stdout (see the module docstring).
+    """
     argv = ["record", "--task", options.task, "--out", "-"]
     for flag, value in (
         ("--steps", options.steps),
@@ -93,6 +177,8 @@ def record_argv(options: RecordOptions, *, reference: bool) -> list[str]:
     argv += ["--arm", ",".join(options.armed_sites()) or "-"]
     if reference:
         argv += ["--reference", "-"]
+    if token:
+        argv += ["--stream-token", token]
     return argv
 
 
@@ -110,7 +196,10 @@ def launcher_argv(template: str, node: str, command: list[str]) -> list[str]:
     if not parts:
         raise NodeError("empty --launcher template")
     if not any("{node}" in p for p in parts):
-        raise NodeError(f"--launcher template {template!r} must contain {{node}}")
+        raise NodeError(
+            f"--launcher template {template!r} must contain {{node}} (where the host name "
+            "goes, e.g. 'ssh {node}')"
+        )
     argv = [p.replace("{node}", node) for p in parts]
     if os.path.basename(argv[0]) == "ssh":
         command = [shlex.quote(c) for c in command]
@@ -130,90 +219,266 @@ def _subprocess_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_process(argv: list[str], out: str, reference: Trace | None, env=None) -> Trace:
-    """Runs a ``record --out -`` process; unpacks its stdout into ``out`` (validated).
+class Processes:
+    """The node processes running now, so that an interrupted command can stop them all.
 
-    The reference trace, if any, is streamed to its stdin from a thread (no deadlock when the
-    child is slow to read). stderr (its progress and errors) passes through.
+    Example:
+      >>> procs = Processes()
+      >>> try:
+      ...     run_node(..., processes=procs)
+      ... finally:
+      ...     procs.kill_all()
     """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen] = set()
+
+    def add(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._running.add(proc)
+
+    def discard(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._running.discard(proc)
+
+    def kill_all(self) -> None:
+        with self._lock:
+            procs = list(self._running)
+        for proc in procs:
+            _kill(proc)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kills a node's whole process group (the launcher and what it started)."""
+    if proc.poll() is not None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def _keep_tail(buf: bytearray, limit: int = 4096) -> Callable[[bytes], None]:
+    """A callback keeping the last ``limit`` bytes it is given in ``buf``."""
+
+    def keep(data: bytes) -> None:
+        buf.extend(data)
+        del buf[:-limit]
+
+    return keep
+
+
+def run_process(
+    argv: list[str],
+    out: str,
+    reference: Trace | None,
+    *,
+    name: str,
+    token: str,
+    env: dict[str, str] | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    progress: Progress | None = None,
+    log: Log | None = None,
+    processes: Processes | None = None,
+) -> Trace:
+    """Runs a ``record --out - --stream-token TOKEN`` process; unpacks its trace into ``out``.
+
+    See the module docstring for the protocol. On any failure ``out`` is removed.
+
+    Args:
+      argv: the command (a launcher's argv, or Python's).
+      out: the trace directory (received beside it, then moved into place).
+      reference: streamed to the process's stdin, or None.
+      name: the node, as errors name it.
+      token: the stream token passed in ``argv``.
+      timeout: seconds until the process group is killed (None: no limit).
+      progress: receives the node's ``progress(phase, done, total)``.
+      log: receives every other line the node prints on stderr.
+      processes: registry of running processes (for interruption).
+
+    Raises:
+      NodeError: the process could not start, failed, timed out, or sent no valid trace.
+    """
+    final, out = out, receive_dir(out)
     try:
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.PIPE if reference else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             env=env,
+            start_new_session=True,  # one process group: a time-out kills it all
         )
     except OSError as e:
-        raise NodeError(f"cannot start {argv[0]!r}: {e}") from None
-    feeder = None
+        raise NodeError(f"node {name}: cannot start {argv[0]!r}: {e}") from None
+    if processes is not None:
+        processes.add(proc)
+    tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+    timed_out = threading.Event()
+    threads = [threading.Thread(target=_read_stderr, args=(proc, tail, progress, log), daemon=True)]
     if reference is not None:
+        threads.append(threading.Thread(target=_feed, args=(proc, reference), daemon=True))
+    for t in threads:
+        t.start()
 
-        def feed():
-            try:
-                write_tar(reference.path, proc.stdin)
-            except (BrokenPipeError, OSError):
-                pass  # the child died; its exit status says why
-            finally:
-                with contextlib.suppress(OSError):
-                    proc.stdin.close()
+    def expire():
+        timed_out.set()
+        _kill(proc)
 
-        feeder = threading.Thread(target=feed, daemon=True)
-        feeder.start()
-    error = None
+    timer = threading.Timer(timeout, expire) if timeout else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    started = time.monotonic()
+    other = bytearray()
+    error: TraceError | None = None
+    trace = None
     try:
-        trace = read_trace_stream(proc.stdout, out)
-    except TraceError as e:
-        trace, error = None, e
-    code = proc.wait()
-    if feeder is not None:
-        feeder.join()
+        try:
+            trace = read_trace_frames(proc.stdout, out, token, other=_keep_tail(other))
+        except TraceError as e:
+            error = e
+            # Keep reading, so a node that still writes is not blocked; it ends or times out.
+            with contextlib.suppress(OSError, ValueError):
+                while proc.stdout.read(1 << 16):
+                    pass
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+        try:
+            code = proc.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            expire()
+            code = proc.wait()
+        for t in threads:
+            t.join(timeout=10)
+    except BaseException:
+        _kill(proc)
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if processes is not None:
+            processes.discard(proc)
+        for stream in (proc.stdout, proc.stderr, proc.stdin):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+    what = f"{shlex.join(argv[:3])} ..."
+    said = _last_line("\n".join(tail)) or _last_line(other.decode("utf-8", "replace"))
+    said = f": {said}" if said else ""
+    if timed_out.is_set():
+        shutil.rmtree(out, ignore_errors=True)
+        raise NodeError(
+            f"node {name}: no trace within {timeout:g} s (--timeout); stopped {what}{said}"
+        )
     if code != 0:
-        raise NodeError(f"{shlex.join(argv[:3])} ... failed with exit code {code}")
+        shutil.rmtree(out, ignore_errors=True)
+        raise NodeError(f"node {name}: {what} failed with exit code {code}{said}")
     if error is not None:
-        raise NodeError(f"the trace from {shlex.join(argv[:3])} ... is invalid: {error}")
-    return trace
+        shutil.rmtree(out, ignore_errors=True)
+        raise NodeError(f"node {name}: no valid trace from {what}: {error}{said}")
+    trace.close()
+    try:
+        publish(out, final)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return Trace(final)
+
+
+def _feed(proc: subprocess.Popen, reference: Trace) -> None:
+    try:
+        write_tar(reference.path, proc.stdin)
+    except (BrokenPipeError, OSError, ValueError):
+        pass  # the child died (or was stopped); its exit status says why
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            proc.stdin.close()
+
+
+def _read_stderr(proc, tail, progress: Progress | None, log: Log | None) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        for raw in proc.stderr:
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            if line.startswith(PROGRESS_PREFIX):
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    p = json.loads(line[len(PROGRESS_PREFIX) :])
+                    if progress is not None:
+                        progress(str(p["phase"]), int(p["done"]), int(p["total"]))
+                continue
+            tail.append(line)
+            if log is not None:
+                log(line)
+
+
+def progress_line(phase: str, done: int, total: int) -> str:
+    """The stderr line by which a node reports progress to the process that started it."""
+    return PROGRESS_PREFIX + json.dumps({"phase": phase, "done": done, "total": total})
 
 
 def run_node(
     node: Node,
     options: RecordOptions,
     *,
-    workdir: str,
+    out: str,
     reference: Trace | None = None,
-    launcher: str | None = None,
-    remote_command: str = DEFAULT_REMOTE_COMMAND,
-    progress=None,
+    launch: Launch = Launch(),
+    progress: Progress | None = None,
+    log: Log | None = None,
+    processes: Processes | None = None,
 ) -> Trace:
     """Gets ``node``'s trace of ``options`` (recording it, or opening a recorded one).
 
     Args:
       node: where to run.
       options: what to run.
-      workdir: where new traces are written (``workdir/<node>-<n>``).
+      out: the new trace's directory (unused for ``trace:`` nodes); removed on failure.
       reference: the healthy node's trace (lock-step / synchronisation), or None.
-      launcher: template for host nodes, e.g. ``ssh {node}``.
-      remote_command: how to invoke sdcguard on the host (split with shlex).
+      launch: how processes are started (launcher, remote command, time-out).
+      progress, log, processes: see :func:`run_process`.
+
+    Raises:
+      NodeError, TaskError, TraceError, ValueError.
     """
     if node.kind == "trace":
         return open_trace(node.value)
-    out = tempfile.mkdtemp(prefix=f"{node.kind}-", dir=workdir)
-    os.rmdir(out)  # the trace is created atomically under this name
     if node.kind == "local":
-        record(options, out, reference=reference, progress=progress)
+        try:
+            record(options, out, reference=reference, progress=progress)
+        except BaseException:
+            shutil.rmtree(out, ignore_errors=True)
+            raise
         return open_trace(out)
+    token = secrets.token_hex(8)
     if node.kind == "device":
         opts = dataclasses.replace(options, device=int(node.value))
-        argv = _python_command() + record_argv(opts, reference=reference is not None)
-        return run_process(argv, out, reference, env=_subprocess_env())
-    if not launcher:
-        raise NodeError(
-            f"node {node} is a host: give --launcher (e.g. 'ssh {{node}}' or "
-            "'srun -w {node} --') to run sdcguard record there"
+        argv = _python_command() + record_argv(opts, reference=reference is not None, token=token)
+    else:
+        if not launch.launcher:
+            check_nodes([str(node)], launch)  # raises: says how to give a launcher
+        command = _remote(launch.remote_command) + record_argv(
+            options, reference=reference is not None, token=token
         )
-    try:
-        remote = shlex.split(remote_command)
-    except ValueError as e:
-        raise NodeError(f"bad --remote-command {remote_command!r}: {e}") from None
-    command = remote + record_argv(options, reference=reference is not None)
-    argv = launcher_argv(launcher, node.value, command)
-    return run_process(argv, out, reference, env=_subprocess_env())
+        argv = launcher_argv(launch.launcher, node.value, command)
+    return run_process(
+        argv,
+        out,
+        reference,
+        name=str(node),
+        token=token,
+        env=_subprocess_env(),
+        timeout=launch.timeout,
+        progress=progress,
+        log=log,
+        processes=processes,
+    )

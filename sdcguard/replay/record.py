@@ -8,11 +8,17 @@ What one node records, per level:
 * ``step`` and ``trajectory``: T free-running steps (loss, gradients, parameters and optimizer
   state before each step, the first update). Given a reference, also T steps each started
   from the reference's parameters and optimizer state (parameter synchronisation).
+
+Every trace also holds a hash of each input the node computed itself (each parameter leaf as
+initialised or restored, each optimizer-state leaf, each batch). Given a reference whose
+inputs differ, a node records those inputs and nothing else: that the node computed different
+inputs from the same task is the finding (see :mod:`sdcguard.replay.diff`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Callable, Sequence
 
@@ -23,6 +29,7 @@ from sdcguard import inject
 from sdcguard.replay import capture, determinism
 from sdcguard.replay.task import DEFAULT_TASK, ReplayTask, load_task
 from sdcguard.replay.trace import Trace, TraceError, TraceWriter
+from sdcguard.sites import match_sites
 
 LEVELS = ("submodule", "step", "trajectory")
 
@@ -35,8 +42,11 @@ class RecordOptions:
       task: the task, ``module:function``.
       steps, seed, checkpoint: overrides of the task's fields (None: keep the task's).
       levels: subset of LEVELS.
-      sites: fnmatch patterns of the submodules to capture (None: all).
-      inject: fault specs (``site=...,kind=...``) this node runs with.
+      sites: ``--sites`` patterns of the submodules to capture (None: all); module paths or
+        site names in the grammar of :func:`sdcguard.sites.site_pattern`, see
+        :func:`sdcguard.replay.capture.selects`. Each must match something.
+      inject: fault specs (``site=...,kind=...``) this node runs with; ``step=-1`` (the
+        default) fires at every step that runs.
       armed: sites whose injection code is compiled in; every compared node must arm the
         same ones. Defaults to the sites of ``inject``.
       device: index of the local device to run on.
@@ -83,6 +93,10 @@ class RecordOptions:
     def load_task(self) -> ReplayTask:
         return load_task(self.task, steps=self.steps, seed=self.seed, checkpoint=self.checkpoint)
 
+    def run_steps(self, task: ReplayTask) -> int:
+        """Training steps that run: the task's with the trajectory level, else step 0 alone."""
+        return task.steps if "trajectory" in self.levels else 1
+
 
 # Compiled programs, shared by every run in this process with the same task and options.
 _PROGRAMS: dict[tuple, capture.Programs] = {}
@@ -97,6 +111,114 @@ def programs_for(task: ReplayTask, options: RecordOptions) -> capture.Programs:
             task, select=options.sites, armed=options.armed_sites()
         )
     return cached
+
+
+# --- Checking options against the task, before anything runs ---------------------------------
+
+
+def unknown_site_message(name: str, sites: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, list(sites), n=3, cutoff=0.6)
+    hint = f" (close: {', '.join(close)})" if close else ""
+    return f"unknown site {name!r}{hint}; `sdcguard sites` lists every site of the task"
+
+
+def check_faults(
+    options: RecordOptions, task: ReplayTask, sizes: dict[str, int], dtypes: dict[str, str]
+) -> list[inject.Fault]:
+    """The parsed fault specs of ``options``, each checked against its site and the run.
+
+    Raises:
+      ValueError: one line naming the spec and what is wrong: an unknown site, an element
+        index beyond the site's tensor, a step that does not run (or below -1, which means
+        every step), a bit at or beyond the width of the site's dtype.
+    """
+    faults = []
+    run_steps = options.run_steps(task)
+    for spec in options.inject:
+        f = inject.parse_spec(spec)
+        if f.site not in sizes:
+            raise ValueError(f"fault spec {spec!r}: {unknown_site_message(f.site, sizes)}")
+        n = sizes[f.site]
+        if f.index is not None and f.index >= n:
+            raise ValueError(
+                f"fault spec {spec!r}: index {f.index} is beyond site {f.site!r}, which has "
+                f"{n} elements (index 0 to {n - 1})"
+            )
+        if f.step < -1:
+            raise ValueError(
+                f"fault spec {spec!r}: step {f.step}; give a step from 0, or -1 for every step"
+            )
+        if f.step >= run_steps:
+            why = (
+                f"the task runs {run_steps} steps (--steps)"
+                if "trajectory" in options.levels
+                else "without the trajectory level only step 0 runs"
+            )
+            raise ValueError(
+                f"fault spec {spec!r}: step {f.step} is beyond the run: {why}, so it would "
+                "never fire"
+            )
+        if f.kind == "bitflip":
+            dtype = jax.numpy.dtype(dtypes[f.site])
+            width = dtype.itemsize * 8
+            if f.bit >= width:
+                raise ValueError(
+                    f"fault spec {spec!r}: bit {f.bit} is beyond site {f.site!r}, a {dtype.name} "
+                    f"tensor (bit 0 to {width - 1})"
+                )
+        faults.append(f)
+    return faults
+
+
+def check_site_patterns(patterns: Sequence[str], modules: Sequence[str], sites: Sequence[str]):
+    """Every ``--sites`` pattern must select a submodule (ValueError: one line, which not).
+
+    Args:
+      patterns: the ``--sites`` patterns.
+      modules: every submodule the capture program can tap.
+      sites: every site name (injection sites and taps' names), for patterns with ``:``.
+    """
+    for p in patterns:
+        if ":" in p and not match_sites(p, sites):
+            raise ValueError(
+                f"--sites pattern {p!r} matches no site of the task; `sdcguard sites` lists "
+                "the sites and submodules ('*' matches within one path component, '**' across)"
+            )
+        if not any(capture.selects(p, m) for m in modules):
+            raise ValueError(
+                f"--sites pattern {p!r} selects no submodule of the task; `sdcguard sites` "
+                "lists them ('*' matches within one path component, '**' across)"
+            )
+
+
+def check_options(options: RecordOptions, task: ReplayTask | None = None) -> list[inject.Fault]:
+    """Checks fault specs, armed sites and ``--sites`` patterns against the task.
+
+    Nothing runs: shapes come from abstract evaluation (``jax.eval_shape``).
+
+    Returns:
+      The parsed faults.
+
+    Raises:
+      TaskError: the task cannot be loaded. ValueError: a bad spec, site or pattern.
+    """
+    task = task or options.load_task()
+    params = jax.eval_shape(task._init_from_seed)
+    opt_state = jax.eval_shape(task.optimizer.init, params)
+    batch = task.batch(0)
+    programs = programs_for(task, options)
+    sizes = programs.site_sizes(params, opt_state, batch)
+    faults = check_faults(options, task, sizes, programs.site_dtypes(params, opt_state, batch))
+    for site in options.armed_sites():
+        if site not in sizes:
+            raise ValueError(f"--arm: {unknown_site_message(site, sizes)}")
+    if options.sites:
+        every = programs_for(task, dataclasses.replace(options, sites=None))
+        taps = every.taps(params, batch)
+        check_site_patterns(
+            options.sites, sorted({t.module for t in taps}), [*sizes, *(t.name for t in taps)]
+        )
+    return faults
 
 
 def _leaves(tree) -> list[np.ndarray]:
@@ -137,7 +259,18 @@ def record(
         return _record(task, options, out, reference, progress)
 
 
+def _input_hashes(params, opt_state, batches) -> dict[str, str]:
+    """A hash per input leaf the node computed: ``params/<site>``, ``opt/<i>``, ``batches/<t>``."""
+    out = {
+        f"params/{k}": determinism.array_hash(v) for k, v in capture.flatten_params(params).items()
+    }
+    out.update({f"opt/{i}": determinism.array_hash(x) for i, x in enumerate(_leaves(opt_state))})
+    out.update({f"batches/{t}": determinism.tree_hash(b) for t, b in enumerate(batches)})
+    return out
+
+
 def _record(task, options, out, reference, progress) -> dict:
+    check_options(options, task)  # bad specs, sites or patterns fail before any compute
     params = task.init_params()
     opt_state = task.optimizer.init(params)
     batch0 = task.batch(0)
@@ -148,17 +281,22 @@ def _record(task, options, out, reference, progress) -> dict:
         raise ValueError(f"fault site {site!r} is not armed (armed: {options.armed_sites()})")
     plan = capture.padded_plan(faults)
     levels = options.levels
-    run_steps = task.steps if "trajectory" in levels else 1
+    run_steps = options.run_steps(task)
     batches = [task.batch(t) for t in range(task.steps)]
     inputs = {  # all of the task's batches, whichever levels run: one task, one hash
         "params": determinism.tree_hash(params),
         "opt_state": determinism.tree_hash(opt_state),
         "batches": determinism.tree_hash(batches),
     }
+    input_hashes = _input_hashes(params, opt_state, batches)
     batches = batches[:run_steps]
     if reference is not None:
-        ref_inputs = reference.manifest["fingerprint"]["inputs"]
-        if ref_inputs != inputs:
+        ref_hashes = reference.manifest.get("input_hashes")
+        if ref_hashes is not None and ref_hashes != input_hashes:
+            return _record_inputs(
+                task, options, out, reference, params, opt_state, batches, input_hashes
+            )
+        if reference.manifest["fingerprint"]["inputs"] != inputs:
             raise TraceError(
                 "the reference trace was recorded from different inputs (parameters, optimizer "
                 "state or batches); run both nodes with the same task"
@@ -189,6 +327,53 @@ def _record(task, options, out, reference, progress) -> dict:
                 "reference": None if reference is None else reference.content_hash,
                 "taps": [t.to_json() for t in taps],
                 "params": capture.param_names(params),
+                "input_hashes": input_hashes,
+            }
+        )
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _record_inputs(task, options, out, reference, params, opt_state, batches, hashes) -> dict:
+    """The trace of a node whose inputs differ from the reference's: those inputs alone.
+
+    Comparing anything computed from different inputs would blame every tensor; the inputs
+    themselves are what differs, and they are kept so the report can say by how much.
+    """
+    ref = reference.manifest["input_hashes"]
+    differ = sorted(k for k in set(ref) | set(hashes) if ref.get(k) != hashes.get(k))
+    writer = TraceWriter(out)
+    try:
+        for name, x in capture.flatten_params(params).items():
+            if f"params/{name}" in differ:
+                writer.add(f"inputs/params/{name}", np.asarray(x))
+        for i, leaf in enumerate(_leaves(opt_state)):
+            if f"opt/{i}" in differ:
+                writer.add(f"inputs/opt/{i}", leaf)
+        for t, batch in enumerate(batches):
+            if f"batches/{t}" in differ:
+                for j, leaf in enumerate(_leaves(batch)):
+                    writer.add(f"inputs/batches/{t}/{j}", leaf)
+        inputs = {
+            "params": determinism.tree_hash(params),
+            "opt_state": determinism.tree_hash(opt_state),
+            "batches": determinism.tree_hash([task.batch(t) for t in range(task.steps)]),
+        }
+        return writer.finish(
+            {
+                "task": options.task,
+                "task_name": task.name,
+                "options": {**dataclasses.asdict(options), "armed": options.armed_sites()},
+                "levels": ["inputs"],
+                "steps": 0,
+                "faults": [],
+                "fingerprint": determinism.fingerprint(hlo={}, inputs=inputs),
+                "reference": reference.content_hash,
+                "taps": [],
+                "params": capture.param_names(params),
+                "input_hashes": hashes,
+                "inputs_differ": differ,
             }
         )
     except BaseException:

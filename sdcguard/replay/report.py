@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -45,12 +44,19 @@ def json_safe(obj):
     return obj
 
 
-def write_json(comparison: Comparison, path: str) -> None:
-    """Writes the JSON report (``identical``, ``first_divergence``, one table per level)."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(json_safe(comparison.to_json()), f, indent=1, allow_nan=False)
-    os.replace(tmp, path)
+def write_json(comparison: Comparison, path: str, **fields) -> None:
+    """Writes the JSON report (``identical``, ``first_divergence``, one table per level, and
+    ``fields`` such as ``status`` and ``exit_code``) atomically; OSError if it cannot."""
+    from sdcguard.cli import write_json as write
+
+    write(json_safe({**fields, **comparison.to_json()}), path)
+
+
+def write_doc(doc: dict, path: str) -> None:
+    """Writes any report dict as strict JSON, atomically (OSError if it cannot)."""
+    from sdcguard.cli import write_json as write
+
+    write(json_safe(doc), path)
 
 
 def render(comparison: Comparison, console: Console | None = None) -> None:
@@ -92,10 +98,12 @@ def render(comparison: Comparison, console: Console | None = None) -> None:
         identical = sum(1 for m in mods if not m["divergent"])
         table.caption = f"{identical} of {len(mods)} module/direction pairs bit-identical"
         console.print(table)
-    for level in ("step", "trajectory"):
+    for level in ("inputs", "step", "trajectory"):
         if level not in c.levels:
             continue
         rows = c.levels[level]["rows"]
+        if level == "inputs" and all(r.identical for r in rows):
+            continue  # the usual case; the verdict below covers it
         bad = [r for r in rows if not r.identical]
         table = Table(title=f"{level} level")
         table.add_column("tensor")
@@ -137,13 +145,53 @@ def render(comparison: Comparison, console: Console | None = None) -> None:
     if first is None:
         console.print("[bold green]identical: every compared tensor is bit-identical")
     else:
-        where = f" in {first.module}" if first.module != "-" else ""
-        console.print(
-            f"[bold red]first divergence: {first.level} level, {first.direction} "
-            f"{first.name}{where} (mismatch frequency "
-            f"{_fmt(first.metrics['mismatch_frequency'])}, ‖Δ‖/‖x‖ "
-            f"{_fmt(first.metrics['noise_to_signal'])})"
+        console.print(f"[bold red]first divergence: {describe(first)}", highlight=False)
+        if first.level == "inputs":
+            console.print(
+                "[red]node B computed different inputs from the same task, code and "
+                "environment (parameters as initialised or restored, optimizer state or "
+                "batches): a finding about the node, not a configuration error",
+                highlight=False,
+            )
+
+
+def describe(row) -> str:
+    """One line for a divergent row: level, direction, tensor, module, how much."""
+    where = f" in {row.module}" if row.module != "-" else ""
+    direction = f"{row.direction} " if row.direction != "-" else ""
+    return (
+        f"{row.level} level, {direction}{row.name}{where} (mismatch frequency "
+        f"{_fmt(row.metrics['mismatch_frequency'])}, ‖Δ‖/‖x‖ "
+        f"{_fmt(row.metrics['noise_to_signal'])})"
+    )
+
+
+def render_scan(result, console: Console | None = None) -> None:
+    """Prints a scan: one row per node (status, group, time, first divergence or error)."""
+    console = console or Console()
+    table = Table(title=f"scan of {len(result.nodes)} nodes")
+    for col in ("node", "status", "group", "seconds", "first divergence from the majority / error"):
+        table.add_column(col)
+    styles = {"suspect": "bold red", "failed": "yellow", "incomparable": "yellow"}
+    for n in result.nodes:
+        if n.comparison is not None and n.comparison.first_divergence is not None:
+            mode = "lock-step" if n.comparison.lockstep else "free-running"
+            note = f"{describe(n.comparison.first_divergence)} [{mode}]"
+            if n.rerun_error:
+                note += f"; rerun: {n.rerun_error}"
+        else:
+            note = n.error or ""
+        table.add_row(
+            n.node,
+            n.status,
+            "-" if n.group is None else str(n.group),
+            f"{n.seconds:.1f}",
+            note,
+            style=styles.get(n.status),
         )
+    console.print(table)
+    color = {"agree": "green", "suspects": "red"}.get(result.status, "yellow")
+    console.print(f"[bold {color}]{result.status}: {result.reason}", highlight=False)
 
 
 def write_plots(comparison: Comparison, out_dir: str) -> list[str]:

@@ -177,10 +177,17 @@ def load_task(
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise TaskError(f"cannot import the task module {module_name!r}: {e}") from None
+    except Exception as e:  # the module's own code failed while importing
+        raise TaskError(
+            f"importing the task module {module_name!r} raised {_one_line(e)}"
+        ) from None
     fn = getattr(module, function_name, None)
     if not callable(fn):
         raise TaskError(f"module {module_name!r} has no function {function_name!r}")
-    task = fn()
+    try:
+        task = fn()
+    except Exception as e:  # the user's code: any failure means "no task", said in one line
+        raise TaskError(f"the task function {spec} raised {_one_line(e)}") from None
     if not isinstance(task, ReplayTask):
         raise TaskError(f"{spec} returned {type(task).__name__}, expected a ReplayTask")
     overrides = {
@@ -191,3 +198,9 @@ def load_task(
     if "checkpoint" in overrides and not os.path.isdir(overrides["checkpoint"]):
         raise TaskError(f"checkpoint directory {checkpoint!r} does not exist")
     return dataclasses.replace(task, **overrides) if overrides else task
+
+
+def _one_line(e: BaseException) -> str:
+    """``Type: first line of the message`` of an exception."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__

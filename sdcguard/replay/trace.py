@@ -8,8 +8,16 @@ no half-written trace under the destination name. The manifest lists every file'
 every array's shape and dtype, and carries a content hash over all of it; a truncated or
 tampered trace is refused (:class:`TraceError`), never half-read.
 
-Traces travel between machines as an uncompressed tar stream (``--out -``/``--reference -``),
-so a launcher such as ``ssh`` carries them over its own stdin/stdout; nothing opens a port.
+Traces travel between machines through a launcher such as ``ssh`` over its own stdin/stdout;
+nothing opens a port. Into a node (``--reference -``) a trace goes as an uncompressed tar.
+Out of a node (``--out -``) it goes as a *framed* tar (:func:`write_trace_frames`): a marker
+line with a token chosen by the receiver, length-prefixed frames, an end line. Whatever else
+reaches the node's stdout before or after (a login banner, a launcher's messages) is told
+apart from the trace and never mistaken for it; the node's own prints go to its stderr.
+
+Temporary directories (a trace being written, a replaced one, a command's work directory) are
+named ``PREFIX-<host tag>-<pid>-XXXX``; one left behind by a killed process on this host is
+removed by the next run that writes there (:func:`clean_stale`).
 """
 
 from __future__ import annotations
@@ -17,12 +25,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
+import struct
 import tarfile
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 import numpy as np
@@ -81,6 +91,53 @@ def _storable(x) -> np.ndarray:
     return a
 
 
+# --- Temporary directories that a killed process leaves behind -----------------------------------
+
+
+def _host_tag() -> str:
+    return hashlib.sha256(platform.node().encode()).hexdigest()[:8]
+
+
+def private_tmpdir(prefix: str, parent: str | None = None) -> str:
+    """``mkdtemp`` named ``PREFIX-<host tag>-<pid>-XXXX``, so :func:`clean_stale` can tell
+    when its owner is gone."""
+    return tempfile.mkdtemp(prefix=f"{prefix}-{_host_tag()}-{os.getpid()}-", dir=parent)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def clean_stale(parent: str, prefix: str) -> list[str]:
+    """Removes ``parent/PREFIX-<tag>-<pid>-*`` directories of dead processes of this host.
+
+    A directory of another host (a shared file system) or of a live process is left alone;
+    so is one whose name does not follow :func:`private_tmpdir`.
+
+    Returns:
+      The removed paths.
+    """
+    pattern = re.compile(re.escape(prefix) + r"-([0-9a-f]{8})-(\d+)-[^/]+$")
+    tag, removed = _host_tag(), []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.match(name)
+        path = os.path.join(parent, name)
+        if m and m.group(1) == tag and not _alive(int(m.group(2))) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def _replaceable(path: str) -> bool:
     """Whether ``path`` may be replaced by a new trace: an empty directory or a trace."""
     if not os.path.isdir(path):
@@ -89,6 +146,51 @@ def _replaceable(path: str) -> bool:
     return not names or (
         MANIFEST in names and all(n == MANIFEST or _CHUNK_NAME.match(n) for n in names)
     )
+
+
+def publish(tmp: str, out: str) -> None:
+    """Moves the complete trace directory ``tmp`` to ``out``, replacing a trace there.
+
+    The old trace is moved aside first and removed last, so a crash leaves either trace whole
+    (or the old one in a ``.NAME.old-*`` directory that :func:`clean_stale` removes).
+
+    Raises:
+      TraceError: ``out`` exists and is neither a trace nor an empty directory.
+    """
+    if os.path.exists(out) and not _replaceable(out):
+        raise TraceError(
+            f"refusing to write a trace over {out!r}: it exists and is not a trace "
+            "(choose a new directory)"
+        )
+    old = None
+    if os.path.exists(out):
+        old = private_tmpdir(f".{os.path.basename(out)}.old", os.path.dirname(out))
+        os.rename(out, os.path.join(old, "trace"))
+    os.rename(tmp, out)
+    _fsync_dir(os.path.dirname(out))
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def receive_dir(out: str) -> str:
+    """A new hidden directory beside ``out`` to receive a trace into (then :func:`publish`).
+
+    Raises:
+      TraceError: ``out`` exists and is neither a trace nor an empty directory.
+    """
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not _replaceable(out):
+        raise TraceError(
+            f"refusing to write a trace over {out!r}: it exists and is not a trace "
+            "(choose a new directory)"
+        )
+    parent, base = os.path.dirname(out), os.path.basename(out)
+    os.makedirs(parent, exist_ok=True)
+    for kind in ("tmp", "old"):
+        clean_stale(parent, f".{base}.{kind}")
+    tmp = private_tmpdir(f".{base}.tmp", parent)
+    os.rmdir(tmp)  # read_trace_stream creates it
+    return tmp
 
 
 class TraceWriter:
@@ -114,7 +216,10 @@ class TraceWriter:
             )
         parent = os.path.dirname(self.out)
         os.makedirs(parent, exist_ok=True)
-        self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.out)}.tmp-", dir=parent)
+        base = os.path.basename(self.out)
+        for kind in ("tmp", "old"):  # left by a killed writer of this trace
+            clean_stale(parent, f".{base}.{kind}")
+        self.tmp = private_tmpdir(f".{base}.tmp", parent)
         os.chmod(self.tmp, 0o755)  # mkdtemp makes it private; a trace is shared data
         self.arrays: dict[str, dict] = {}
         self.files: dict[str, dict] = {}
@@ -133,6 +238,8 @@ class TraceWriter:
             "member": member,
             "shape": list(a.shape),
             "dtype": dtype,
+            # The values alone (no file or time stamps): equal on nodes that computed the same.
+            "sha256": hashlib.sha256(a.data if a.size else b"").hexdigest(),
         }
         self._chunk[member] = a
         self._chunk_bytes += a.nbytes
@@ -168,16 +275,7 @@ class TraceWriter:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(self.tmp)
-        old = None
-        if os.path.exists(self.out):
-            old = tempfile.mkdtemp(
-                prefix=f".{os.path.basename(self.out)}.old-", dir=os.path.dirname(self.out)
-            )
-            os.rename(self.out, os.path.join(old, "trace"))
-        os.rename(self.tmp, self.out)
-        _fsync_dir(os.path.dirname(self.out))
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+        publish(self.tmp, self.out)
         return manifest
 
     def abort(self) -> None:
@@ -248,6 +346,23 @@ class Trace:
     @property
     def content_hash(self) -> str:
         return self.manifest["content_hash"]
+
+    @property
+    def data_hash(self) -> str:
+        """Hash of the recorded values only (names, shapes, dtypes, bytes of every array).
+
+        Unlike :attr:`content_hash` it leaves out where and when the trace was made (host,
+        paths, file time stamps), so nodes that computed the same numbers share it.
+        """
+        h = hashlib.sha256()
+        for key in sorted(self.manifest["arrays"]):
+            entry = self.manifest["arrays"][key]
+            digest = entry.get("sha256")
+            if digest is None:  # a trace written before arrays carried their own hash
+                a = _storable(self.get(key))
+                digest = hashlib.sha256(a.data if a.size else b"").hexdigest()
+            h.update(f"{key}|{entry['dtype']}|{entry['shape']}|{digest}\n".encode())
+        return h.hexdigest()
 
     def __contains__(self, key: str) -> bool:
         return key in self.manifest["arrays"]
@@ -322,3 +437,127 @@ def read_trace_stream(stream: IO[bytes], out: str) -> Trace:
     except tarfile.TarError as e:
         raise TraceError(f"the trace stream is not a valid tar (truncated?): {e}") from None
     return Trace(out)
+
+
+# --- The framed stream out of a node (``record --out -``) -------------------------------------
+
+_BEGIN = b"SDCGUARD-TRACE-BEGIN "
+_END = b"SDCGUARD-TRACE-END "
+_FRAME = struct.Struct(">I")
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_token(token: str) -> bytes:
+    """The stream token as bytes; ValueError unless it is 1 to 64 of ``[A-Za-z0-9_-]``."""
+    if not _TOKEN.match(token):
+        raise ValueError(f"bad stream token {token!r}: 1 to 64 letters, digits, '-' or '_'")
+    return token.encode()
+
+
+class _FrameWriter:
+    def __init__(self, stream: IO[bytes]):
+        self.stream = stream
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        if data:  # a zero-length frame ends the stream: never write one here
+            self.stream.write(_FRAME.pack(len(data)) + data)
+        return len(data)
+
+
+def write_trace_frames(trace_dir: str, stream: IO[bytes], token: str) -> None:
+    """Writes a trace to ``stream`` as a framed tar (see the module docstring).
+
+    Layout: ``SDCGUARD-TRACE-BEGIN <token>\\n``, frames (4-byte big-endian length, bytes) of
+    an uncompressed tar, a zero length, ``SDCGUARD-TRACE-END <token>\\n``.
+    """
+    tok = check_token(token)
+    # The newline first: the marker starts a line even after output without a final newline.
+    stream.write(b"\n" + _BEGIN + tok + b"\n")
+    write_tar(trace_dir, _FrameWriter(stream))
+    stream.write(_FRAME.pack(0) + _END + tok + b"\n")
+    stream.flush()
+
+
+class _FrameReader:
+    """A file-like view of the frames' payload; ``read`` returns b"" after the last frame."""
+
+    def __init__(self, stream: IO[bytes], pending: bytes):
+        self.stream, self.pending, self.left, self.done = stream, bytearray(pending), 0, False
+
+    def _fill(self, n: int) -> bytes:
+        while len(self.pending) < n:
+            block = _read_some(self.stream)
+            if not block:
+                raise TraceError("the trace stream ended in the middle (the node stopped?)")
+            self.pending += block
+        out = bytes(self.pending[:n])
+        del self.pending[:n]
+        return out
+
+    def read(self, n: int = -1) -> bytes:
+        out = bytearray()
+        while not self.done and (n < 0 or len(out) < n):
+            if self.left == 0:
+                self.left = _FRAME.unpack(self._fill(_FRAME.size))[0]
+                if self.left == 0:
+                    self.done = True
+                    break
+            take = self.left if n < 0 else min(self.left, n - len(out))
+            out += self._fill(take)
+            self.left -= take
+        return bytes(out)
+
+    def finish(self, token: bytes) -> bytes:
+        """Reads to the end marker; returns what follows it in the buffer."""
+        while not self.done:
+            if not self.read(1 << 20) and not self.done:
+                break
+        end = _END + token + b"\n"
+        got = self._fill(len(end))
+        if got != end:
+            raise TraceError("the trace stream has no end marker (truncated or garbled)")
+        return bytes(self.pending)
+
+
+def _read_some(stream: IO[bytes]) -> bytes:
+    read1 = getattr(stream, "read1", None)
+    return read1(1 << 16) if read1 is not None else stream.read(1 << 16)
+
+
+def read_trace_frames(
+    stream: IO[bytes], out: str, token: str, *, other: Callable[[bytes], None] | None = None
+) -> Trace:
+    """Reads a framed trace (:func:`write_trace_frames`) from ``stream`` into ``out``.
+
+    Output before the begin marker and after the end marker is passed to ``other`` (a
+    launcher's banner, say), and the stream is read to its end, so the writer never blocks.
+
+    Raises:
+      TraceError: no begin marker before the stream ended, a broken frame, an invalid trace.
+    """
+    tok = check_token(token)
+    other = other or (lambda _: None)
+    begin = _BEGIN + tok + b"\n"
+    buf = b""
+    while True:
+        block = _read_some(stream)
+        if not block:
+            other(buf)
+            raise TraceError("the node's output ended without a trace")
+        buf += block
+        at = buf.find(begin)
+        if at >= 0:
+            other(buf[:at])
+            buf = buf[at + len(begin) :]
+            break
+        keep = len(begin) - 1  # a marker may straddle two blocks
+        if len(buf) > keep:
+            other(buf[:-keep])
+            buf = buf[-keep:]
+    frames = _FrameReader(stream, buf)
+    trace = read_trace_stream(frames, out)
+    other(frames.finish(tok))
+    while block := _read_some(stream):
+        other(block)
+    return trace

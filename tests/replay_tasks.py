@@ -1,0 +1,88 @@
+"""Tiny replay tasks for the replay tests (named ``tests.replay_tasks:NAME`` on the command line).
+
+``tiny`` is a two-layer MLP: the cheapest task on which every replay level runs. The others
+misbehave the way users' tasks do: one prints (a lot), one raises on a node.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from sdcguard.replay.task import ReplayTask
+
+# Set in a node's environment, these make the task misbehave there (see each task).
+RAISE_ENV = "SDCGUARD_TEST_TASK_RAISES"
+CORRUPT_INIT_ENV = "SDCGUARD_TEST_CORRUPT_INIT"
+
+
+class Act(nn.Module):
+    """The nonlinearity as a submodule of its own, so a corrupted tanh has a module to blame."""
+
+    @nn.compact
+    def __call__(self, x):
+        return jnp.tanh(x)
+
+
+def _kernel_init(key, shape, dtype=jnp.float32):
+    w = jax.random.normal(key, shape, dtype) * 0.5
+    if os.environ.get(CORRUPT_INIT_ENV):  # a node whose initialisation is corrupted
+        w = w.at[0, 0].add(1e-3)
+    return w
+
+
+class TinyMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = Act(name="act")(nn.Dense(8, name="a", kernel_init=_kernel_init)(x))
+        return nn.Dense(1, name="b")(h)
+
+
+def _batch(step: int):
+    return np.random.default_rng(step).normal(size=(4, 5)).astype(np.float32)
+
+
+def tiny() -> ReplayTask:
+    """A 4x4 -> 8 -> 1 regression MLP trained with SGD for 2 steps."""
+    return ReplayTask(
+        name="tiny-mlp",
+        model=TinyMLP(),
+        batches=_batch,
+        model_inputs=lambda b: (b[:, :4],),
+        loss=lambda y, b: jnp.mean((y[:, 0] - b[:, 4]) ** 2),
+        optimizer=optax.sgd(0.1),
+        steps=2,
+        protect_attention=False,
+    )
+
+
+def printing() -> ReplayTask:
+    """``tiny``, printing 100 KB to stdout when built and a line per batch: more than a pipe
+    holds, so a parent that read only the trace would deadlock on it."""
+    sys.stdout.write("task says hello\n" * 6400)
+    sys.stdout.flush()
+
+    def batches(step):
+        print(f"task prints while making batch {step}")
+        return _batch(step)
+
+    return ReplayTask(**{**_fields(tiny()), "batches": batches})
+
+
+def raising() -> ReplayTask:
+    """``tiny``, except where ``SDCGUARD_TEST_TASK_RAISES`` is set: there it raises."""
+    if os.environ.get(RAISE_ENV):
+        raise RuntimeError("no training data on this node")
+    return tiny()
+
+
+def _fields(task: ReplayTask) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(task, f.name) for f in dataclasses.fields(task)}
