@@ -53,6 +53,7 @@ from sdcguard.campaign.config import (
     CLASSES,
     DEFAULT_KINDS,
     DEFAULT_PROTECTIONS,
+    DTYPE_ALIASES,
     DTYPES,
     EXPONENT_BITS,
     FORMAT_VERSION,
@@ -96,6 +97,7 @@ __all__ = [
     "RESULTS_FILE",
     "CampaignConfig",
     "CampaignFileError",
+    "CampaignGridError",
     "append_result",
     "classify",
     "config_from_args",
@@ -158,6 +160,7 @@ def run_campaign(
     config.out.mkdir(parents=True, exist_ok=True)
     path = config.out / RESULTS_FILE
     done = load_results(path, console)
+    _refuse_other_grids(config, done, path)
     todo = [
         t for t in grid(config) if trial_key(config.trial_hash(t[0]), t[1], t[2], t[3]) not in done
     ]
@@ -220,6 +223,30 @@ def run_campaign(
     return result
 
 
+class CampaignGridError(ValueError):
+    """The output directory holds trials of another campaign (grid or configuration)."""
+
+
+def _refuse_other_grids(config: CampaignConfig, done: dict[str, dict], path: Path) -> None:
+    """Refuses a results file holding trials outside this campaign's grid.
+
+    Resuming, or growing the grid (more trials, sites or kinds), is fine: every trial on file
+    is one of the grid's. A trial of another grid or configuration (other sites, kinds,
+    protections, model, dtype, bits, seed...) would be mixed into this campaign's summary.
+    """
+    keys = {trial_key(config.trial_hash(p), s, k, t) for p, s, k, t in grid(config)}
+    foreign = [r for key, r in done.items() if key not in keys]
+    if foreign:
+        r = foreign[0]
+        raise CampaignGridError(
+            f"{path} holds {len(foreign)} of {len(done)} trials that are not in this "
+            f"campaign's grid (e.g. {r['protection']} {r['site']} {r['kind']} trial "
+            f"{r['trial']}, configuration {r['config_hash']}): its summary would mix two "
+            "campaigns; give a new --out, or the options that made them (campaign.json in the "
+            "same directory lists them)"
+        )
+
+
 # The sources whose behaviour a campaign measures: results name the code that produced them.
 _MEASURED_SOURCES = ("abft.py", "attention.py", "linen.py", "inject.py", "training.py")
 
@@ -256,28 +283,61 @@ def _jsonable(config: CampaignConfig) -> dict:
     return d
 
 
+def _dtype(name: str) -> str:
+    """Either spelling of a dtype (``bf16`` or ``bfloat16``, as ``sdcguard demo`` takes it)."""
+    short = DTYPE_ALIASES.get(name, name)
+    if short not in DTYPES:
+        spellings = ", ".join(f"{k} ({v})" for k, v in DTYPES.items())
+        raise argparse.ArgumentTypeError(f"unknown dtype {name!r}; valid: {spellings}")
+    return short
+
+
 def register(subparsers) -> None:
-    p = subparsers.add_parser("campaign", help="fault-injection campaign with/without protection")
+    p = subparsers.add_parser(
+        "campaign",
+        help="fault-injection campaign with/without protection",
+        description="Injects one fault per trial into real training, for every site x kind x "
+        "trial of the grid and every protection level, and reports harm, detection and "
+        "correction. Results are appended per trial to OUT/trials.jsonl: rerun the same "
+        "command to resume (after Ctrl-C, exit 130). Exit 2 on bad options (the error on stderr, no "
+        "traceback), among them an OUT holding trials of another grid.",
+    )
     d = CampaignConfig()
-    p.add_argument("--out", type=Path, default=d.out)
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=d.out,
+        help="output directory: trials.jsonl, summary.md, campaign.json, figures "
+        "(default: %(default)s)",
+    )
     p.add_argument(
         "--model",
         choices=MODEL_KINDS,
         default=d.model_kind,
         help="gpt: decoder, next-byte loss; encoder: bidirectional, masked-byte loss",
     )
-    p.add_argument("--layers", type=int, default=d.model.num_layers)
-    p.add_argument("--d-model", type=int, default=d.model.d_model)
-    p.add_argument("--heads", type=int, default=d.model.num_heads)
-    p.add_argument("--seq-len", type=int, default=d.model.seq_len)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument(
+        "--layers", type=int, default=d.model.num_layers, help="transformer blocks (%(default)s)"
+    )
+    p.add_argument("--d-model", type=int, default=d.model.d_model, help="model width (%(default)s)")
+    p.add_argument(
+        "--heads", type=int, default=d.model.num_heads, help="attention heads (%(default)s)"
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=d.model.seq_len, help="tokens per sequence (%(default)s)"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=d.batch_size, help="sequences per batch (%(default)s)"
+    )
     p.add_argument(
         "--sites",
         nargs="*",
         default=[],
-        help="site names or patterns ('*' within one path component): attention sites "
-        "(fwd and bwd, e.g. 'decoder/block_0/attn:scores.grad_lhs') and module outputs "
-        "(forward, e.g. 'decoder/block_*/mlp:output'); default: every attention site",
+        help="site names or patterns ('*' within one path component, '**' across, as for "
+        "every --sites of sdcguard): attention sites (fwd and bwd, e.g. "
+        "'decoder/block_0/attn:scores.grad_lhs') and module outputs (forward, e.g. "
+        "'decoder/block_*/mlp:output'); default: every attention site. Parameter sites "
+        "('...:kernel.grad') are injected by sdcguard compare/record only",
     )
     p.add_argument(
         "--output-sites",
@@ -286,25 +346,79 @@ def register(subparsers) -> None:
         + ", ".join(OUTPUT_GROUPS).replace("{stack}", "decoder|encoder")
         + ")",
     )
-    p.add_argument("--kinds", nargs="+", default=list(d.kinds), choices=FAULT_KINDS)
+    p.add_argument(
+        "--kinds",
+        nargs="+",
+        default=list(d.kinds),
+        choices=FAULT_KINDS,
+        help="fault kinds (default: %(default)s)",
+    )
     p.add_argument(
         "--bits",
         type=int,
         nargs=2,
         metavar=("LO", "HI"),
         default=None,
-        help="bitflip bit range (inclusive); default: the dtype's exponent bits",
+        help="bitflip bit range (inclusive, below the dtype's width); default: the dtype's "
+        "exponent bits",
     )
-    p.add_argument("--value", type=float, default=d.value)
-    p.add_argument("--trials", type=int, default=d.trials)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype)
-    p.add_argument("--protection", nargs="+", choices=PROTECTIONS, default=list(d.protections))
-    p.add_argument("--warmup", type=int, default=d.warmup)
-    p.add_argument("--steps-after", type=int, default=d.steps_after)
-    p.add_argument("--fp-steps", type=int, default=d.fp_steps)
-    p.add_argument("--fp-dtypes", nargs="*", choices=tuple(DTYPES), default=list(d.fp_dtypes))
-    p.add_argument("--propagation-trials", type=int, default=d.propagation_trials)
+    p.add_argument(
+        "--value",
+        type=float,
+        default=d.value,
+        help="the value set by 'value' faults, the factor of 'scale' faults (%(default)s)",
+    )
+    p.add_argument(
+        "--trials", type=int, default=d.trials, help="trials per site and kind (%(default)s)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=d.seed, help="seed of parameters, data, trials (%(default)s)"
+    )
+    p.add_argument(
+        "--dtype",
+        type=_dtype,
+        default=d.dtype,
+        help="computation dtype: fp32 or bf16 (float32, bfloat16 also accepted; default "
+        "%(default)s)",
+    )
+    p.add_argument(
+        "--protection",
+        nargs="+",
+        choices=PROTECTIONS,
+        default=list(d.protections),
+        help="protection levels to run (default: %(default)s)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=d.warmup,
+        help="clean steps before the fault step (%(default)s)",
+    )
+    p.add_argument(
+        "--steps-after",
+        type=int,
+        default=d.steps_after,
+        help="steps trained after the fault (%(default)s)",
+    )
+    p.add_argument(
+        "--fp-steps",
+        type=int,
+        default=d.fp_steps,
+        help="clean ABFT steps per dtype for the false-positive count (0: skip; %(default)s)",
+    )
+    p.add_argument(
+        "--fp-dtypes",
+        nargs="*",
+        type=_dtype,
+        default=list(d.fp_dtypes),
+        help="dtypes of the false-positive count (default: %(default)s)",
+    )
+    p.add_argument(
+        "--propagation-trials",
+        type=int,
+        default=d.propagation_trials,
+        help="faults per forward site and kind of the propagation study (0: skip; %(default)s)",
+    )
     p.add_argument(
         "--max-trials",
         type=int,
@@ -348,18 +462,28 @@ def _main(args: argparse.Namespace) -> int:
     import shlex
     import sys
 
+    from sdcguard.cli import check_output_dir, error
+
     console = Console()
     try:
         config = config_from_args(args)
+        check_output_dir(config.out, "--out")
         result = run_campaign(
             config,
             console,
             max_trials=args.max_trials,
             command=shlex.join(["sdcguard", *sys.argv[1:]]),
         )
+    except KeyboardInterrupt:
+        done = Path(args.out) / RESULTS_FILE
+        return error(
+            f"interrupted; the finished trials are in {done}: rerun the same command to resume",
+            130,
+        )
+    except OSError as err:
+        return error(f"{err.strerror or type(err).__name__}: {err.filename}")
     except (ValueError, CampaignFileError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        return 2
+        return error(str(err))
     _print(result, console)
     console.print(
         f"wrote {config.out / 'summary.md'}, campaign.json, {RESULTS_FILE} and "
