@@ -9,9 +9,11 @@ Three tiers, cheapest first:
    for corruption older than every snapshot.
 
 :func:`train_with_recovery` ties them together: when the guard reports ``rollback_needed`` it
-restores the newest snapshot taken before the refusals began and either skips the offending
-batches or replays them; if refusals keep coming without progress it walks further back, and
-finally gives up with an error rather than training on a state it cannot trust.
+restores the newest intact stored state taken before the refusals began (a corrupt snapshot or
+checkpoint is reported in ``RunReport.corrupt`` and passed over for an older one) and either
+skips the offending batches or replays them; if refusals keep coming without progress it walks
+further back, and finally gives up with an error rather than training on a state it cannot
+trust. Checkpoints are standard Orbax checkpoints of the user's own pytree.
 
 Every stored state carries an exact bit fingerprint per leaf (see
 :func:`sdcguard.optim.tree_fingerprint`); a restore that does not reproduce it is refused with
@@ -30,6 +32,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -39,7 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from sdcguard.optim import find_guard_state, reason_names, tree_fingerprint
+from sdcguard.optim import (
+    _COUNTERS,
+    Triage,
+    find_guard_state,
+    reason_names,
+    tree_fingerprint,
+)
 
 __all__ = [
     "CheckpointCorrupted",
@@ -52,6 +61,7 @@ __all__ = [
     "SnapshotCorrupted",
     "SnapshotRing",
     "TrainState",
+    "TriageEvent",
     "host_fingerprint",
     "train_with_recovery",
 ]
@@ -59,7 +69,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = "sdcguard.train_state"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: the state item is the user's own pytree
 
 
 class RecoveryError(RuntimeError):
@@ -343,6 +353,13 @@ class SnapshotRing:
             self._done.clear()
             self._done.extend(kept)
 
+    def discard(self, snapshot: Snapshot) -> None:
+        """Forgets one snapshot (found corrupt: it must not be tried again)."""
+        with self._lock:
+            kept = [s for s in self._done if s is not snapshot]
+            self._done.clear()
+            self._done.extend(kept)
+
     def close(self) -> None:
         self.wait()
         self._pool.shutdown()
@@ -351,34 +368,69 @@ class SnapshotRing:
 # --- Tier 3: Orbax checkpoints -----------------------------------------------------------------
 
 
-def _like_leaves(like) -> tuple[list, list[str], Any]:
-    """Abstract storable leaves (ShapeDtypeStruct with sharding) of a template train state."""
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(like)
-    abstract, names = [], []
-    for path, x in with_paths:
-        names.append(jax.tree_util.keystr(path))
-        sharding = getattr(x, "sharding", None)
-        if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+def _abstract(like):
+    """The restore target of ``like``: shapes, dtypes and shardings of its arrays (typed keys
+    included), Python scalars and numpy arrays as they are."""
+
+    def leaf(x):
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return x
+
+    return jax.tree.map(leaf, like)
+
+
+def _described(tree) -> list[tuple[str, str, tuple]]:
+    """(path, dtype, shape) of every leaf, as the integrity record stores them."""
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if _is_key(x) or jax.dtypes.issubdtype(
+            getattr(x, "dtype", np.float32), jax.dtypes.prng_key
+        ):
             x = jax.eval_shape(jax.random.key_data, x)
         elif not hasattr(x, "dtype"):
             x = np.asarray(x)
-        abstract.append(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding))
-    return abstract, names, treedef
+        out.append((jax.tree_util.keystr(path), str(np.dtype(x.dtype)), tuple(x.shape)))
+    return out
 
 
-def _leaf_key(i: int) -> str:
-    # A flat dict of numbered leaves: Orbax need not understand optax's state classes.
-    return f"leaf_{i:05d}"
+def _combined(fingerprints: np.ndarray, sizes: list[int]) -> list[int]:
+    """The fingerprint of the whole tree (as :func:`sdcguard.optim.tree_fingerprint` of all
+    leaves together) from the leaves' own: a leaf's weighted sum shifts by twice its offset."""
+    total = weighted = 0
+    offset = 0
+    for (t, w), n in zip(fingerprints.tolist(), sizes, strict=True):
+        total += t
+        weighted += w + 2 * offset * t
+        offset += n
+    return [total % 2**32, weighted % 2**32]
+
+
+def _words_of(x) -> int:
+    """How many uint32 words :func:`sdcguard.optim.tree_fingerprint` reads from leaf ``x``."""
+    if _is_key(x):
+        x = jax.random.key_data(x)
+    x = x if hasattr(x, "dtype") else np.asarray(x)
+    return int(np.prod(x.shape)) * (2 if np.dtype(x.dtype).itemsize == 8 else 1)
 
 
 class CheckpointTier:
-    """Train states on disk with ``orbax.checkpoint.CheckpointManager`` (async save).
+    """Train states on disk as standard Orbax checkpoints (``CheckpointManager``, async save).
 
-    Each checkpoint holds the state's leaves and a JSON record of their paths, dtypes, shapes
-    and bit fingerprints; :meth:`restore` places every leaf on the sharding of the template and
-    refuses a checkpoint that does not reproduce its fingerprints. A save that crashed half-way
-    leaves only an Orbax temporary directory, which is never listed as a step (and which the
-    next :class:`CheckpointTier` on the directory removes, at the latest before its first save).
+    Each checkpoint step holds two Orbax items: ``state``, the user's own pytree written with
+    ``ocp.args.StandardSave`` (so plain Orbax restores it into the user's tree:
+    ``ocp.CheckpointManager(dir).restore(step, args=ocp.args.Composite(
+    state=ocp.args.StandardRestore(abstract_state)))``), and ``integrity``, a JSON record of
+    every leaf's path, dtype, shape and bit fingerprint and of the whole tree's fingerprint.
+    :meth:`restore` places every leaf on the sharding of the template and refuses a checkpoint
+    that does not reproduce its fingerprints, naming the leaf. A checkpoint written by plain
+    Orbax (no ``integrity`` item; the state in item ``state`` or ``default``) is restored too,
+    unverified, with a warning. A save that crashed half-way leaves only an Orbax temporary
+    directory, which is never listed as a step (and which the next :class:`CheckpointTier` on
+    the directory removes, at the latest before its first save).
+
+    Under ``jax.distributed`` (several processes) every process calls :meth:`save` and
+    :meth:`restore` with its part of the global arrays, as with Orbax itself.
 
     Args:
       directory: where checkpoints live (created if missing).
@@ -415,31 +467,26 @@ class CheckpointTier:
 
     def save(self, step: int, state, *, meta: dict | None = None) -> None:
         """Starts saving ``state`` as checkpoint ``step`` (returns before the write finishes)."""
-        leaves, recipes, treedef = _split(state)
+        flat = jax.tree.leaves(state)
+        leaves, _, _ = _split(state)
         fingerprints = _device_fingerprints(leaves)
         integrity = {
             "format": CHECKPOINT_FORMAT,
             "version": CHECKPOINT_VERSION,
             "step": int(step),
             "meta": dict(meta or {}),
+            "fingerprint": _combined(fingerprints, [_words_of(x) for x in flat]),
             "leaves": [
-                {
-                    "path": path,
-                    "kind": r.kind,
-                    "dtype": str(np.dtype(x.dtype)),
-                    "shape": list(x.shape),
-                    "fingerprint": [int(v) for v in fp],
-                }
-                for path, r, x, fp in zip(
-                    _paths(treedef), recipes, leaves, fingerprints, strict=True
+                {"path": path, "dtype": dtype, "shape": list(shape), "fingerprint": fp}
+                for (path, dtype, shape), fp in zip(
+                    _described(state), fingerprints.tolist(), strict=True
                 )
             ],
         }
-        items = {_leaf_key(i): x for i, x in enumerate(leaves)}
         self._manager.save(
             int(step),
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(items), integrity=ocp.args.JsonSave(integrity)
+                state=ocp.args.StandardSave(state), integrity=ocp.args.JsonSave(integrity)
             ),
         )
 
@@ -454,10 +501,9 @@ class CheckpointTier:
             if s > step:
                 self._manager.delete(s)
 
-    def _unreadable(self, step: int, what: str, error: Exception | None = None):
-        cause = f" ({type(error).__name__}: {error})" if error is not None else ""
+    def _unreadable(self, step: int, what: str):
         return CheckpointCorrupted(
-            f"checkpoint step {step} in {self.directory}: {what}{cause}. It is truncated, "
+            f"checkpoint step {step} in {self.directory}: {what}. It is truncated, "
             f"tampered with, or from another model: delete {self.directory / str(step)} or "
             f"restore another step with restore(..., step=S); complete steps: {self.steps()}"
         )
@@ -468,9 +514,11 @@ class CheckpointTier:
                 step, args=ocp.args.Composite(integrity=ocp.args.JsonRestore())
             ).integrity
         except Exception as e:
-            raise self._unreadable(step, "its integrity record cannot be read", e) from None
+            raise self._unreadable(
+                step, f"its integrity record cannot be read ({type(e).__name__})"
+            ) from None
         if not isinstance(record, dict) or record.get("format") != CHECKPOINT_FORMAT:
-            raise self._unreadable(step, "it is not an sdcguard train-state checkpoint")
+            raise self._unreadable(step, "its integrity record is not an sdcguard record")
         if record.get("version") != CHECKPOINT_VERSION:
             raise self._unreadable(
                 step,
@@ -478,6 +526,59 @@ class CheckpointTier:
                 f"{CHECKPOINT_VERSION}",
             )
         return record
+
+    def _state_item(self, step: int) -> Path:
+        """The directory of the state item of ``step``: ``state``, or plain Orbax's ``default``."""
+        root = self.directory / str(step)
+        for name in ("state", "default"):
+            if (root / name).is_dir():
+                return root / name
+        items = sorted(p.name for p in root.iterdir() if p.is_dir())
+        raise self._unreadable(
+            step, f"it has no 'state' or 'default' Orbax item (items: {items or 'none'})"
+        )
+
+    def _read_state(self, step: int, item: Path, like):
+        """Restores ``item`` into the structure of ``like``; on failure, names the leaves."""
+        target = _abstract(like)
+        try:
+            return ocp.StandardCheckpointer().restore(item, target)
+        except Exception as e:
+            error = e
+        # Which leaves? Restore each alone (only on this error path): Orbax's own error is a
+        # dump of the storage driver's spec, which names no leaf of the user's tree.
+        bad = []
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(target)
+        for i, (path, _) in enumerate(with_paths):
+            one = treedef.unflatten(
+                [x if j == i else ocp.PLACEHOLDER for j, (_, x) in enumerate(with_paths)]
+            )
+            args = jax.tree.map(
+                lambda a: (
+                    ocp.ArrayRestoreArgs(sharding=a.sharding)
+                    if isinstance(a, jax.ShapeDtypeStruct)
+                    else a
+                    if a is ocp.PLACEHOLDER
+                    else ocp.RestoreArgs()
+                ),
+                one,
+            )
+            try:
+                ocp.PyTreeCheckpointer().restore(
+                    item, args=ocp.args.PyTreeRestore(item=one, restore_args=args)
+                )
+            except Exception:
+                bad.append(jax.tree_util.keystr(path))
+        if bad:
+            raise self._unreadable(
+                step,
+                f"the data of leaf {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''} cannot "
+                "be read (a data file is missing or truncated)",
+            ) from None
+        first = str(error).splitlines()[0][:200] if str(error) else ""
+        raise self._unreadable(
+            step, f"its state does not fit the given train state ({type(error).__name__}: {first})"
+        ) from None
 
     def restore(self, like, *, step: int | None = None):
         """Restores checkpoint ``step`` (default: the latest) onto the shardings of ``like``.
@@ -488,12 +589,15 @@ class CheckpointTier:
           step: which checkpoint; default the latest complete one.
 
         Returns:
-          ``(state, meta)``: the state, bit-exact as saved, and the ``meta`` given to save.
+          ``(state, meta)``: the state, bit-exact as saved, and the ``meta`` given to save
+          (``{}`` for a plain Orbax checkpoint, which is restored unverified with a warning).
 
         Raises:
           RecoveryError: no checkpoint exists.
-          CheckpointCorrupted: unreadable, tampered, or a different structure than ``like``.
+          CheckpointCorrupted: unreadable, tampered, or a different structure than ``like``;
+            the message names the leaf.
         """
+        self.wait()  # a save still being written is not restorable yet
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -503,42 +607,30 @@ class CheckpointTier:
                 f"no complete checkpoint of step {step} in {self.directory}; "
                 f"complete steps: {self.steps()}"
             )
+        if not (self.directory / str(step) / "integrity").is_dir():
+            item = self._state_item(step)
+            warnings.warn(
+                f"checkpoint step {step} in {self.directory} has no sdcguard integrity record "
+                f"(a plain Orbax checkpoint, item '{item.name}'): restored UNVERIFIED",
+                stacklevel=2,
+            )
+            return self._read_state(step, item, like), {}
         record = self._read_integrity(step)
-        abstract, names, treedef = _like_leaves(like)
-        stored = record["leaves"]
-        described = [(e["path"], e["dtype"], tuple(e["shape"])) for e in stored]
-        expected = [
-            (n, str(np.dtype(a.dtype)), tuple(a.shape))
-            for n, a in zip(names, abstract, strict=True)
-        ]
+        described = [(e["path"], e["dtype"], tuple(e["shape"])) for e in record["leaves"]]
+        expected = _described(like)
         if described != expected:
             diff = next(
                 (f"{d} != {e}" for d, e in zip(described, expected, strict=False) if d != e),
                 f"{len(described)} leaves stored, {len(expected)} expected",
             )
             raise self._unreadable(step, f"it does not fit the given train state: {diff}")
-        try:
-            restored = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(
-                        {_leaf_key(i): a for i, a in enumerate(abstract)}
-                    )
-                ),
-            ).state
-            leaves = [restored[_leaf_key(i)] for i in range(len(abstract))]
-        except Exception as e:
-            raise self._unreadable(step, "its arrays cannot be read", e) from None
+        state = self._read_state(step, self._state_item(step), like)
+        leaves, _, _ = _split(state)
         fingerprints = _device_fingerprints(leaves)
-        for entry, fp in zip(stored, fingerprints, strict=True):
-            if [int(v) for v in fp] != entry["fingerprint"]:
+        for entry, fp in zip(record["leaves"], fingerprints.tolist(), strict=True):
+            if fp != entry["fingerprint"]:
                 raise self._unreadable(step, f"leaf {entry['path']} does not match its fingerprint")
-        _, recipes, _ = _split(like)
-        rebuilt = [
-            _rebuild(r, np.asarray(x) if r.kind == "host" else x)
-            for r, x in zip(recipes, leaves, strict=True)
-        ]
-        return jax.tree.unflatten(treedef, rebuilt), record["meta"]
+        return state, record["meta"]
 
     def close(self) -> None:
         self._manager.wait_until_finished()
@@ -593,6 +685,20 @@ class Rollback(NamedTuple):
     reasons: tuple[str, ...]
 
 
+class TriageEvent(NamedTuple):
+    """A spike that triage recomputed (see :mod:`sdcguard.triage`).
+
+    step, data_index: where; reasons: the spike checks that fired on the first pass; outcome:
+    the :class:`sdcguard.optim.Triage` name (``real_accepted``, ``real_skipped``,
+    ``sdc_corrected``, ``refused``).
+    """
+
+    step: int
+    data_index: int
+    reasons: tuple[str, ...]
+    outcome: str
+
+
 @dataclasses.dataclass
 class RunReport:
     """What :func:`train_with_recovery` did.
@@ -602,6 +708,9 @@ class RunReport:
       refused: ``(step, data_index, reasons)`` of every refused update.
       rollbacks: every rollback, in order.
       skipped: data indices never trained on (``on_rollback='skip'``).
+      triage: every spike recomputed by triage, with its outcome.
+      corrupt: every stored state (snapshot or checkpoint) found corrupt during a rollback and
+        passed over, with the reason.
       steps_run: step-function calls, discarded and replayed ones included (the cost).
     """
 
@@ -609,7 +718,14 @@ class RunReport:
     refused: list[tuple[int, int, tuple[str, ...]]] = dataclasses.field(default_factory=list)
     rollbacks: list[Rollback] = dataclasses.field(default_factory=list)
     skipped: list[int] = dataclasses.field(default_factory=list)
+    triage: list[TriageEvent] = dataclasses.field(default_factory=list)
+    corrupt: list[str] = dataclasses.field(default_factory=list)
     steps_run: int = 0
+
+    @property
+    def sdc_events(self) -> int:
+        """Spikes that recomputing showed to be corruption."""
+        return sum(e.outcome in ("sdc_corrected", "refused") for e in self.triage)
 
 
 class _Dispatched(NamedTuple):
@@ -618,11 +734,27 @@ class _Dispatched(NamedTuple):
     data_index: int
 
 
-def _status(state) -> tuple[int, bool]:
-    """(reason mask, rollback_needed) of the last update; waits for that step only."""
+_TRIAGE = _COUNTERS.index("triage")
+_TRIAGE_REASON = _COUNTERS.index("triage_reason")
+
+
+def _status(state) -> tuple[int, bool, int, int]:
+    """(reason mask, rollback_needed, triage outcome, triage reasons) of the last update; waits
+    for that step only. One transfer of the guard's small arrays, no computation dispatched."""
     guard = find_guard_state(state.opt_state)
-    reason, rollback = jax.device_get((guard.reason, guard.rollback_needed))
-    return int(reason), bool(rollback)
+    reason, rollback, counters = jax.device_get(
+        (guard.reason, guard.rollback_needed, guard.counters)
+    )
+    counters = np.asarray(counters).reshape(-1, np.shape(counters)[-1])[0]
+    mask = 0
+    for v in np.asarray(reason).reshape(-1).tolist():
+        mask |= int(v)
+    return (
+        mask,
+        bool(np.any(rollback)),
+        int(counters[_TRIAGE]),
+        int(counters[_TRIAGE_REASON]),
+    )
 
 
 def train_with_recovery(
@@ -660,7 +792,8 @@ def train_with_recovery(
 
     Raises:
       RecoveryError: refusals persist after ``config.max_rollbacks`` rollbacks in a row (the
-        state or the hardware cannot be trusted; run ``sdcguard compare`` on this node).
+        state or the hardware cannot be trusted; run ``sdcguard compare`` on this node), or a
+        rollback found no intact stored state (the message names each one tried and why).
 
     Example:
       >>> report = train_with_recovery(jax.jit(step), state, data.batch, num_batches=1000,
@@ -710,24 +843,36 @@ def train_with_recovery(
         if config.on_rollback == "skip":
             skip.update(d.data_index for d in streak)
         ring.drop_newer_than(target)
-        # The newest trusted state at or before the target, from either tier.
-        snapshot = ring.latest(at_most=target)
-        saved = None if checkpoints is None else checkpoints.latest_step(at_most=target)
-        if snapshot is None and saved is None:
+        # The newest intact state at or before the target, from either tier (a snapshot before
+        # a checkpoint of the same step): a corrupt one is reported and passed over.
+        candidates = [("snapshot", s.step, s) for s in ring.snapshots() if s.step <= target]
+        if checkpoints is not None:
+            candidates += [("checkpoint", s, None) for s in checkpoints.steps() if s <= target]
+        candidates.sort(key=lambda c: (-c[1], c[0] != "snapshot"))
+        if not candidates:
             raise RecoveryError(
                 f"rollback needed at step {at_step} but no snapshot or checkpoint exists at or "
                 f"before step {target}; keep more snapshots (RecoveryConfig.keep_snapshots) or "
                 "enable Orbax checkpoints"
             )
-        if saved is not None and (snapshot is None or saved > snapshot.step):
-            restored, meta = checkpoints.restore(like=report.state, step=saved)
-            source, to_step = "checkpoint", saved
+        tried = []
+        for source, to_step, snapshot in candidates:
+            try:
+                if snapshot is not None:
+                    restored, meta = snapshot.restore(), snapshot.meta
+                else:
+                    restored, meta = checkpoints.restore(like=report.state, step=to_step)
+                break
+            except (SnapshotCorrupted, CheckpointCorrupted) as e:
+                tried.append(f"{source} of step {to_step}: {e}")
+                report.corrupt.append(tried[-1])
+                log.warning("sdcguard: %s; trying an older stored state", tried[-1])
+                if snapshot is not None:
+                    ring.discard(snapshot)
         else:
-            restored, source, to_step, meta = (
-                snapshot.restore(),
-                "snapshot",
-                snapshot.step,
-                snapshot.meta,
+            raise RecoveryError(
+                f"rollback needed at step {at_step} but no stored state at or before step "
+                f"{target} is intact; tried, newest first:\n  " + "\n  ".join(tried)
             )
         if checkpoints is not None:
             checkpoints.delete_newer_than(to_step)
@@ -759,7 +904,16 @@ def train_with_recovery(
             report.steps_run += 1
             cursor += 1
         if pending is not None:
-            reason, rollback_needed = _status(pending.state)
+            reason, rollback_needed, triage, triage_reason = _status(pending.state)
+            if triage:
+                report.triage.append(
+                    TriageEvent(
+                        pending.step,
+                        pending.data_index,
+                        reason_names(triage_reason),
+                        Triage(triage).name.lower(),
+                    )
+                )
             if reason:
                 names = reason_names(reason)
                 report.refused.append((pending.step, pending.data_index, names))

@@ -249,7 +249,7 @@ TAMPERING = {
         r"leaf .*\['b'\] does not match its fingerprint",
     ),
     "wrong_version": (
-        lambda p: tamper_integrity(p, lambda t: t.replace('"version": 1', '"version": 99')),
+        lambda p: tamper_integrity(p, lambda t: t.replace('"version": 2', '"version": 99')),
         "format version 99",
     ),
     "flipped_data": (flip_data_bytes, "truncated, tampered with"),
@@ -269,6 +269,86 @@ def test_a_tampered_checkpoint_is_refused_with_a_clear_error(tmp_path, case):
     with pytest.raises(CheckpointCorrupted, match=message) as error:
         CheckpointTier(tmp_path).restore(like=state)
     assert "delete" in str(error.value) and "restore another step" in str(error.value)
+
+
+def data_files(item: Path) -> list[Path]:
+    return sorted(
+        (p for p in item.rglob("*") if p.is_file() and p.parent.name == "d"),
+        key=lambda p: p.stat().st_size,
+    )
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_damaged_data_file_names_the_leaf_not_a_storage_dump(tmp_path, damage):
+    state = {"params": {"w": jnp.arange(40_000.0).reshape(200, 200), "b": jnp.ones(3)}}
+    tier = CheckpointTier(tmp_path)
+    tier.save(5, state)
+    tier.wait()
+    biggest = data_files(tmp_path / "5" / "state")[-1]
+    if damage == "truncated":
+        with biggest.open("r+b") as f:
+            f.truncate(100)
+    else:
+        biggest.unlink()
+    with pytest.raises(CheckpointCorrupted) as error:
+        tier.restore(like=state)
+    message = str(error.value)
+    assert "leaf ['params']['w']" in message and "missing or truncated" in message
+    assert "TensorStore" not in message and len(message) < 600
+
+
+def test_checkpoints_are_plain_orbax_of_the_users_own_tree(tmp_path):
+    """A plain Orbax user restores a CheckpointTier checkpoint into their tree, as usual."""
+    import orbax.checkpoint as ocp
+
+    state = rich_state()
+    tier = CheckpointTier(tmp_path)
+    tier.save(3, state, meta={"data_index": 3})
+    tier.close()
+    abstract = jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            if isinstance(x, jax.Array)
+            else x
+        ),
+        state,
+    )
+    manager = ocp.CheckpointManager(tmp_path)
+    restored = manager.restore(
+        3, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+    ).state
+    manager.close()
+    assert_trees_equal(restored, state)
+    record = json.loads((tmp_path / "3" / "integrity" / "metadata").read_text())
+    assert [e["path"] for e in record["leaves"]][:2] == [".step", ".params['b']"]
+    assert len(record["fingerprint"]) == 2
+
+
+def test_a_plain_orbax_checkpoint_restores_unverified_with_a_warning(tmp_path):
+    import orbax.checkpoint as ocp
+
+    state = rich_state()
+    manager = ocp.CheckpointManager(tmp_path)
+    manager.save(7, args=ocp.args.StandardSave(state))  # Orbax's own default item
+    manager.wait_until_finished()
+    manager.close()
+    with pytest.warns(UserWarning, match="no sdcguard integrity record.*UNVERIFIED"):
+        restored, meta = CheckpointTier(tmp_path).restore(like=rich_state())
+    assert meta == {}
+    assert_trees_equal(restored, state)
+
+
+def test_whole_tree_fingerprint_in_the_record_matches_tree_fingerprint(tmp_path):
+    from sdcguard.optim import tree_fingerprint
+
+    state = initial_state()
+    state = state._replace(params={**state.params, "bf16": jnp.arange(6, dtype=jnp.bfloat16)})
+    tier = CheckpointTier(tmp_path)
+    tier.save(1, state)
+    tier.close()
+    record = json.loads((tmp_path / "1" / "integrity" / "metadata").read_text())
+    leaves = jax.tree.leaves(state)
+    assert record["fingerprint"] == [int(v) for v in tree_fingerprint(leaves)]
 
 
 def test_restoring_into_a_different_structure_names_the_mismatch(tmp_path):
@@ -380,6 +460,82 @@ def test_rollback_restores_from_orbax_when_it_is_the_newest_good_state(tmp_path)
     assert [(r.source, r.to_step) for r in report.rollbacks] == [("checkpoint", 20)]
     assert tier.steps() == [20, 30]  # 37 steps: the three bad batches were skipped
     assert_trees_equal(report.state, reference(i for i in range(40) if i not in (24, 25, 26)))
+
+
+def test_a_corrupt_newest_snapshot_is_reported_and_an_older_one_restored():
+    ring = SnapshotRing(keep=3)
+    bad = {24, 25, 26}
+
+    def batch_at(i):
+        if i == 24:  # host memory corrupts the newest snapshot (step 20) before it is needed
+            ring.wait()
+            leaf = ring.latest().leaves[1]
+            leaf.setflags(write=True)
+            leaf.reshape(-1)[0] += 1
+        return batch(i, poisoned=i in bad)
+
+    report = train_with_recovery(
+        train_step,
+        initial_state(),
+        batch_at,
+        num_batches=40,
+        config=RecoveryConfig(snapshot_every=10, keep_snapshots=3, on_rollback="skip"),
+        snapshots=ring,
+    )
+    assert [(r.source, r.to_step) for r in report.rollbacks] == [("snapshot", 10)]
+    assert len(report.corrupt) == 1 and report.corrupt[0].startswith("snapshot of step 20: ")
+    assert_trees_equal(report.state, reference(i for i in range(40) if i not in bad))
+
+
+def test_a_corrupt_newest_checkpoint_is_reported_and_an_older_one_restored(tmp_path):
+    tier = CheckpointTier(tmp_path, keep=3)
+    bad = {24, 25, 26}
+
+    def batch_at(i):
+        if i == 24:
+            tier.wait()
+            flip_data_bytes(tmp_path / "20")
+        return batch(i, poisoned=i in bad)
+
+    report = train_with_recovery(
+        train_step,
+        initial_state(),
+        batch_at,
+        num_batches=40,
+        config=RecoveryConfig(snapshot_every=None, checkpoint_every=10, on_rollback="skip"),
+        checkpoints=tier,
+    )
+    assert [(r.source, r.to_step) for r in report.rollbacks] == [("checkpoint", 10)]
+    assert report.corrupt[0].startswith("checkpoint of step 20: ")
+    assert_trees_equal(report.state, reference(i for i in range(40) if i not in bad))
+
+
+def test_no_intact_stored_state_raises_naming_each_one_tried(tmp_path):
+    ring = SnapshotRing(keep=1)
+    tier = CheckpointTier(tmp_path)
+
+    def batch_at(i):
+        if i == 14:
+            ring.wait()
+            tier.wait()
+            flip_data_bytes(tmp_path / "10")
+            leaf = ring.latest().leaves[1]
+            leaf.setflags(write=True)
+            leaf.reshape(-1)[0] += 1
+        return batch(i, poisoned=i >= 14)
+
+    with pytest.raises(RecoveryError, match="no stored state at or before step 14 is intact") as e:
+        train_with_recovery(
+            train_step,
+            initial_state(),
+            batch_at,
+            num_batches=30,
+            config=RecoveryConfig(snapshot_every=None, checkpoint_every=10),
+            snapshots=ring,
+            checkpoints=tier,
+        )
+    tried = str(e.value).split("newest first:")[1]
+    assert tried.index("checkpoint of step 10:") < tried.index("snapshot of step 0:")
 
 
 def test_refusals_that_never_stop_end_in_a_clear_error():
