@@ -63,6 +63,13 @@ class ABFTConfig:
       safety: multiplier on the round-off bound (1.0 is already a worst-case bound).
       near_inf: magnitude at and above which a value in a flagged line is located directly.
       implementation: ``'xla'`` (any backend), ``'pallas'`` (GPU kernels) or ``'auto'``.
+      include, exclude: glob patterns over site names for :func:`sdcguard.checked`: a GEMM is
+        checked when its name matches some ``include`` pattern and no ``exclude`` pattern
+        (e.g. ``include=("*attn*",)``, or ``exclude=("*head*",)``).
+      recompute: for :func:`sdcguard.checked`: checks only detect, and a call with any
+        detection is computed again from the same arguments with in-place repair.
+      per_iteration: for :func:`sdcguard.checked`: one row of counters per ``scan`` iteration
+        instead of their sum.
 
     Example:
       >>> cfg = ABFTConfig(sites=("scores", "context"), backward=False)
@@ -75,9 +82,21 @@ class ABFTConfig:
     safety: float = 1.0
     near_inf: float = NEAR_INF
     implementation: str = "auto"
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+    recompute: bool = False
+    per_iteration: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "sites", tuple(self.sites))
+        for field in ("include", "exclude"):
+            patterns = getattr(self, field)
+            if isinstance(patterns, str):
+                raise TypeError(
+                    f"ABFTConfig.{field} takes a tuple of glob patterns, got the string "
+                    f"{patterns!r}; write {field}=({patterns!r},)"
+                )
+            object.__setattr__(self, field, tuple(patterns))
         unknown = set(self.sites) - set(ATTENTION_SITES)
         if unknown:
             raise ValueError(
@@ -108,27 +127,52 @@ class ABFTConfig:
 class Counts(NamedTuple):
     """Per-site counters; each is int32. A *check* is one matrix of a batched GEMM.
 
+    Every detected check has exactly one outcome: ``detected == corrected + uncorrectable +
+    nonfinite_input``.
+
     detected: checks whose checksums disagreed beyond the round-off bound.
-    corrected: detected checks whose errors were located and corrected.
+    corrected: detected checks whose output, after repair, passes its checksums again.
     uncorrectable: detected checks left (partly) wrong; never silently passed on: they are
       counted here for the update guard to refuse the step.
+    nonfinite_input: detected checks whose *inputs* define a non-finite output (an operand
+      already held a NaN or INF, or the exact product overflows the output dtype). The error
+      came from upstream of this GEMM, so there is nothing to correct here: the output is left
+      as the inputs define it and the update guard refuses the step as for uncorrectable.
     """
 
     detected: jax.Array
     corrected: jax.Array
     uncorrectable: jax.Array
+    nonfinite_input: jax.Array
 
 
-NUM_COUNTERS = 3
+NUM_COUNTERS = len(Counts._fields)
+COUNTER_NAMES = Counts._fields
 
 
 def zero_counts() -> jax.Array:
+    """int32 ``[NUM_COUNTERS]`` zeros."""
     return jnp.zeros((NUM_COUNTERS,), jnp.int32)
 
 
-def _counts(detected: jax.Array, corrected: jax.Array) -> jax.Array:
-    """int32 ``[detected, corrected, uncorrectable]``: what was detected and not corrected."""
-    return jnp.stack([detected, corrected, detected - corrected]).astype(jnp.int32)
+def _counts(detected: jax.Array, corrected: jax.Array, nonfinite_input=0) -> jax.Array:
+    """int32 ``[detected, corrected, uncorrectable, nonfinite_input]``; uncorrectable is what
+    was detected and neither corrected nor explained by non-finite inputs."""
+    uncorrectable = detected - corrected - nonfinite_input
+    return jnp.stack(
+        jnp.broadcast_arrays(detected, corrected, uncorrectable, nonfinite_input)
+    ).astype(jnp.int32)
+
+
+def unsafe_checks(counts: jax.Array) -> jax.Array:
+    """How many checks left an output the update guard must not accept: ``[..., NUM_COUNTERS]``
+    counters to ``uncorrectable + nonfinite_input`` (shape ``[...]``).
+
+    Example:
+      >>> tx.update(grads, opt_state, params, abft_uncorrectable=unsafe_checks(counts))
+    """
+    counts = jnp.asarray(counts)
+    return counts[..., 2] + counts[..., 3]
 
 
 # --- Tolerance model ---------------------------------------------------------------------------
@@ -188,18 +232,22 @@ class Contraction:
         used = set(spec) - set(".,->")
         free = [c for c in string.ascii_letters if c not in used]
 
-        def expand(term: str, ndim: int) -> str:
-            if "..." not in term:
-                return term
-            n = ndim - (len(term) - 3)
-            return term.replace("...", "".join(free[:n]))
-
         n_ell = max(
             lhs_ndim - (len(lhs) - 3) if "..." in lhs else 0,
             rhs_ndim - (len(rhs) - 3) if "..." in rhs else 0,
         )
+        ellipsis = "".join(free[:n_ell])
+
+        def expand(term: str, ndim: int) -> str:
+            # Ellipsis axes align from the right, as in numpy broadcasting: an operand with
+            # fewer of them takes the last ones.
+            if "..." not in term:
+                return term
+            n = ndim - (len(term) - 3)
+            return term.replace("...", ellipsis[n_ell - n :])
+
         lhs, rhs = expand(lhs, lhs_ndim), expand(rhs, rhs_ndim)
-        out = out.replace("...", "".join(free[:n_ell]))
+        out = out.replace("...", ellipsis)
         c = cls(lhs, rhs, out)
         c._validate(spec)
         return c
@@ -279,12 +327,16 @@ class LineChecksums(NamedTuple):
     """One side's checksums of a contraction, float32, one entry per row (or column).
 
     Rows have the letters of the output without the rhs-free ones, columns without the
-    lhs-free ones. A line is flagged when ``not deviation <= threshold`` (NaN is flagged).
+    lhs-free ones. Everything is in *scaled* units: the line sums of C and the reference were
+    multiplied by ``scale`` (a power of two per matrix of the batch, so exact), which keeps the
+    check inside float32's range whatever the operands' magnitudes. A line is flagged when
+    ``not deviation <= threshold`` (NaN is flagged).
     """
 
-    ref: jax.Array  # encoded from the inputs: A(Be) for rows, (eᵀA)B for columns
-    deviation: jax.Array  # |sum of the line of C - ref|
-    threshold: jax.Array  # the round-off bound of the deviation
+    ref: jax.Array  # encoded from the inputs, scaled: A(Be)·scale for rows, (eᵀA)B·scale for cols
+    deviation: jax.Array  # |scaled sum of the line of C - ref|
+    threshold: jax.Array  # the round-off bound of the deviation, scaled
+    scale: jax.Array  # the power of two per matrix (letters: the contraction's batch letters)
 
 
 def products_as_dot(x_letters: str, ct: Contraction) -> bool:
@@ -300,6 +352,20 @@ def products_as_dot(x_letters: str, ct: Contraction) -> bool:
     return len(ct.contracted) == 1 and batch_leads
 
 
+# Exponents of the power-of-two scales stay where 2**e and 2**-e are normal float32 numbers, so
+# a scale is never flushed to zero.
+_MAX_SCALE_EXPONENT = 126
+
+
+def _power_of_two_below(m: jax.Array) -> jax.Array:
+    """``2**-e`` with ``m = f·2**e``, ``f ∈ [0.5, 1)``: ``m·2**-e ∈ [0.5, 1)``; 1 where ``m`` is 0
+    or not finite. Multiplying by it is exact (no mantissa bits change)."""
+    _, e = jnp.frexp(m)
+    e = jnp.clip(e, -_MAX_SCALE_EXPONENT, _MAX_SCALE_EXPONENT)
+    usable = jnp.isfinite(m) & (m > 0)
+    return jnp.where(usable, jnp.ldexp(jnp.ones_like(m), -e), 1.0)
+
+
 def _contract_with_line_sums(
     x,
     x_letters,
@@ -311,30 +377,44 @@ def _contract_with_line_sums(
     x_nonnegative: bool = False,
     as_dot: bool | None = None,
 ):
-    """One side's checksum ``ref = Σ_contracted x · (Σ_summed other)`` and its magnitude.
+    """One side's scaled checksum ``ref = Σ_contracted x · (Σ_summed other)·s`` and magnitude.
 
-    For rows, ``x`` is A and ``other`` is B: ``ref = A(Be)``, and the magnitude bounds
-    ``|A|(|B|e)``, the quantity every rounding error of the line is proportional to. When
-    ``x``'s batch axes lead its layout and one axis is contracted, the products are batched
-    matrix-vector dots; otherwise they are elementwise products and reductions in ``x``'s own
-    layout, because XLA on the CPU lowers such a dot with a transpose of ``x`` or, for some
-    layouts, a naive loop (measured up to 17x slower than the GEMM it checks).
+    For rows, ``x`` is A and ``other`` is B: ``ref = A(Be)·s``, and the magnitude bounds
+    ``|A|(|B|e)·s``, the quantity every rounding error of the line is proportional to. ``s`` is
+    a power of two per matrix that brings ``|B|e`` to ``[0.5, 1)`` at its largest, so nothing
+    below overflows or underflows for any finite operands whose product is finite (operands of
+    1e-30 or 1e19 in float32 included).
+
+    When ``x``'s batch axes lead its layout and one axis is contracted, the products are
+    batched matrix-vector dots; otherwise they are elementwise products and reductions in
+    ``x``'s own layout, because XLA on the CPU lowers such a dot with a transpose of ``x`` or,
+    for some layouts, a naive loop (measured up to 17x slower than the GEMM it checks).
 
     The magnitude is exact (``x · |B|e``) when ``x`` is known to be non-negative (softmax
-    probabilities); otherwise it is the Cauchy-Schwarz bound ``‖x‖₂ ‖|B|e‖₂``, because a
-    reduction of squares is several times cheaper than one of absolute values on XLA:CPU.
+    probabilities); otherwise it is ``max|x| · Σ|B|e`` over the contracted axes, a bound that
+    multiplies values of the operands and never squares them: a reduction of squares (the
+    Cauchy-Schwarz bound) overflows above ~1e19 and underflows below ~1e-19 in float32, and a
+    max costs the same pass over ``x`` as a sum of squares on XLA:CPU.
 
     ``as_dot`` forces one formulation of the products (None: :func:`products_as_dot`;
     ``scripts/bench_checksum_products.py`` times both).
 
     Returns:
-      ``(ref, magnitude)``, float32, letters ``ct.without(summed_letters)``.
+      ``(ref, magnitude, scale)``, float32; ``ref`` and ``magnitude`` have the letters
+      ``ct.without(summed_letters)``, ``scale`` the letters ``ct.batch``.
     """
     f32 = jnp.float32
     x, other = x.astype(f32), other.astype(f32)
     summed_axes = _axes(other_letters, summed_letters)
-    v, w = jnp.sum(other, axis=summed_axes), jnp.sum(jnp.abs(other), axis=summed_axes)
     v_letters = "".join(c for c in other_letters if c not in summed_letters)
+    w = jnp.sum(jnp.abs(other), axis=summed_axes)
+    # One power of two per matrix of the batch, from the largest |B|e of that matrix.
+    batch_in_v = "".join(c for c in v_letters if c in ct.batch)
+    w_max = jnp.max(w, axis=_axes(v_letters, ct.contracted))
+    scale_v = _power_of_two_below(w_max)  # letters batch_in_v
+    on_v = scale_v.reshape([w.shape[i] if c in ct.batch else 1 for i, c in enumerate(v_letters)])
+    v = jnp.sum(other, axis=summed_axes) * on_v
+    w = w * on_v
     contracted_axes = _axes(x_letters, ct.contracted)
     kept = "".join(c for c in x_letters if c not in ct.contracted)
 
@@ -359,11 +439,33 @@ def _contract_with_line_sums(
         # lower it, which tightens the threshold (more alarms, never fewer).
         magnitude = line_products(w)
     else:
-        x_norm = jnp.sqrt(jnp.sum(x * x, axis=contracted_axes))
-        magnitude = x_norm * jnp.sqrt(jnp.sum(jnp.square(along_x(w)), axis=contracted_axes))
+        w_total = jnp.sum(w, axis=_axes(v_letters, ct.contracted))  # letters batch_in_v
+        x_max = jnp.max(jnp.abs(x), axis=contracted_axes)  # letters kept
+        magnitude = x_max * _along(w_total, batch_in_v, kept, x_max.shape)
     term = ct.without(summed_letters)
     perm = [kept.index(c) for c in term]
-    return jnp.transpose(ref, perm), jnp.transpose(magnitude, perm)
+    scale = jnp.transpose(scale_v, [batch_in_v.index(c) for c in ct.batch])
+    return jnp.transpose(ref, perm), jnp.transpose(magnitude, perm), scale
+
+
+def _along(t: jax.Array, t_letters: str, letters: str, shape) -> jax.Array:
+    """``t`` (letters ``t_letters``, a subsequence of ``letters`` up to order) broadcast to an
+    array of ``shape`` with ``letters``: unit axes where ``t`` has no letter."""
+    order = [c for c in letters if c in t_letters]
+    t = jnp.transpose(t, [t_letters.index(c) for c in order])
+    return t.reshape([shape[i] if c in t_letters else 1 for i, c in enumerate(letters)])
+
+
+def _underflow_slack(out_dtype, contraction: int) -> float:
+    """What flushing to zero can move one element of C by, whatever its magnitude.
+
+    GEMM libraries flush subnormal products and partial sums to zero (XLA:CPU does:
+    ``4·(1e-20·1e-19)`` comes out 0), each moving the sum by less than float32's smallest normal;
+    a GEMM has ``2K`` such operations per element. Rounding C to a narrower dtype can flush it by
+    less than that dtype's smallest normal.
+    """
+    tiny32 = float(jnp.finfo(jnp.float32).tiny)
+    return (2 * contraction + 2) * tiny32 + float(jnp.finfo(out_dtype).tiny)
 
 
 def line_checksums(
@@ -381,24 +483,28 @@ def line_checksums(
 
     Rows: ``ref = A(Be)`` against the row sums of C; columns: ``ref = (eᵀA)B`` against the
     column sums. The threshold is γ times a bound on the line's ``|A||B|e`` magnitude, the
-    quantity the round-off of every term is proportional to. ``lhs_nonnegative`` promises
-    ``a >= 0`` elementwise (see :func:`checked_einsum`).
+    quantity the round-off of every term is proportional to, plus the underflow slack. All in
+    scaled units (see :class:`LineChecksums`). ``lhs_nonnegative`` promises ``a >= 0``
+    elementwise (see :func:`checked_einsum`).
     """
     ct = contraction
     if side == "row":
         summed_letters = ct.rhs_free
-        ref, magnitude = _contract_with_line_sums(
+        ref, magnitude, scale = _contract_with_line_sums(
             a, ct.lhs, b, ct.rhs, ct, summed_letters, x_nonnegative=lhs_nonnegative
         )
     else:
         summed_letters = ct.lhs_free
-        ref, magnitude = _contract_with_line_sums(b, ct.rhs, a, ct.lhs, ct, summed_letters)
+        ref, magnitude, scale = _contract_with_line_sums(b, ct.rhs, a, ct.lhs, ct, summed_letters)
     dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
     k = int(np.prod([dims[x] for x in ct.contracted], dtype=np.int64))
     line = int(np.prod([dims[x] for x in summed_letters], dtype=np.int64))
-    c32 = c.astype(jnp.float32)
+    scale_on_c = _along(scale, ct.batch, ct.out, c.shape)
+    c32 = c.astype(jnp.float32) * scale_on_c  # exact: a power of two
     summed_axes = _axes(ct.out, summed_letters)
     summed = jnp.sum(c32, axis=summed_axes)
+    term = ct.without(summed_letters)
+    scale_on_line = _along(scale, ct.batch, term, summed.shape)
     u_out = unit_roundoff(c.dtype)
     low_precision_out = u_out > unit_roundoff(jnp.float32)
     gamma = roundoff_gamma(
@@ -418,10 +524,8 @@ def line_checksums(
         rounding = (u_out / (1 - u_out)) * jnp.sum(jnp.abs(c32), axis=summed_axes)
         # An INF in the line would make this bound INF too and hide itself.
         threshold += safety * jnp.where(jnp.isfinite(rounding), rounding, 0.0)
-    # Gradual underflow: an element rounded into the subnormal range errs by up to half the
-    # subnormal spacing, whatever its magnitude; a line of L elements by L times that.
-    tiny = float(jnp.finfo(c.dtype).smallest_subnormal)
-    return LineChecksums(ref, jnp.abs(summed - ref), threshold + line * tiny)
+    slack = line * _underflow_slack(c.dtype, k) * scale_on_line
+    return LineChecksums(ref, jnp.abs(summed - ref), threshold + slack, scale)
 
 
 def repair_if(flagged: jax.Array, repair, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -437,7 +541,7 @@ def repair_if(flagged: jax.Array, repair, x: jax.Array) -> tuple[jax.Array, jax.
       x: the checked tensor.
 
     Returns:
-      ``(x or x_repaired, int32 [detected, corrected, uncorrectable])``.
+      ``(x or x_repaired, int32 [detected, corrected, uncorrectable, nonfinite_input])``.
     """
     return apply_if(flagged, lambda checked: repair(checked[0]), (x, zero_counts()))
 
@@ -454,6 +558,19 @@ def check_contraction(
 ) -> tuple[jax.Array, jax.Array]:
     """Verifies ``c == einsum(contraction, a, b)`` by checksums, locating and correcting errors.
 
+    Repair, for each matrix of the batch with a flagged line: an element located at the
+    intersection of a flagged row and column, or non-finite or near-INF in a flagged line, is
+    rebuilt from its checksum when every flagged line holds one such element; otherwise every
+    flagged row (or, with no flagged row, every flagged column) is recomputed from ``a`` and
+    ``b``, which also repairs faults in several rows and columns. The repaired matrix is then
+    checked again and counts as corrected only if it passes. A matrix whose inputs define a
+    non-finite value in a flagged line is left as the inputs define it and counted
+    ``nonfinite_input``.
+
+    Known blind spot of line checksums: two errors in one row that cancel in its sum (and in
+    no column a fault could be seen alone) leave the row sum intact; the row check cannot see
+    them, as for any single-checksum ABFT.
+
     Args:
       c: the computed output (possibly corrupted), letters ``contraction.out``.
       a, b: the inputs, letters ``contraction.lhs`` / ``contraction.rhs``.
@@ -464,7 +581,7 @@ def check_contraction(
 
     Returns:
       ``(c_checked, counts)``: ``c`` with located errors corrected (unchanged when clean), and
-      int32 ``[detected, corrected, uncorrectable]`` counted over the batch of matrices.
+      int32 ``[detected, corrected, uncorrectable, nonfinite_input]`` over the batch of matrices.
     """
     ct = contraction
     # Detection needs one side: an error in C changes the sum of its row. The column checksums
@@ -479,13 +596,15 @@ def check_contraction(
         precision=precision,
         lhs_nonnegative=lhs_nonnegative,
     )
-    row_ref = rows.ref
     bad_row = ~(rows.deviation <= rows.threshold)
     row_term = ct.without(ct.rhs_free)
     row_free = _axes(row_term, ct.lhs_free)
     if not config.correct:
-        # Detection only: C is passed on as it is, so nothing waits on a repair loop.
-        return c, _counts(jnp.sum(jnp.any(bad_row, axis=row_free)), 0)
+        # Detection only: C is passed on as it is, so nothing waits on a repair loop. A flagged
+        # row whose checksum, computed from the inputs alone, is not finite was doomed upstream.
+        detected = jnp.any(bad_row, axis=row_free)
+        upstream = jnp.any(bad_row & ~jnp.isfinite(rows.ref), axis=row_free)
+        return c, _counts(jnp.sum(detected), 0, jnp.sum(upstream))
     col_term = ct.without(ct.lhs_free)
     dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
     batch = ct.batch
@@ -500,45 +619,72 @@ def check_contraction(
 
     lhs_axes, rhs_axes = _axes(out, ct.lhs_free), _axes(out, ct.rhs_free)
     col_free = _axes(col_term, ct.rhs_free)
+    line_axes = lhs_axes + rhs_axes
 
     def locate_and_correct(c):
         # Casts live in the branch: outside it, a bf16 C would be widened on every clean step.
         c32 = c.astype(jnp.float32)
         cols = line_checksums(c, a, b, ct, "col", safety=config.safety, precision=precision)
-        col_ref = cols.ref
         bad_col = ~(cols.deviation <= cols.threshold)
         br, bc = on_c(bad_row, row_term), on_c(bad_col, col_term)
-        extreme = (~jnp.isfinite(c32) | (jnp.abs(c32) >= config.near_inf)) & (br | bc)
+        in_flagged_line = br | bc
+        extreme = (~jnp.isfinite(c32) | (jnp.abs(c32) >= config.near_inf)) & in_flagged_line
         located = extreme | (br & bc)
         per_col = jnp.sum(located, axis=lhs_axes)  # letters col_term
         per_row = jnp.sum(located, axis=rhs_axes)  # letters row_term
         # Per matrix of the batch: every flagged line must hold a located element, and on the
         # side used for the repair each line must hold at most one.
-        some = jnp.any(located, axis=lhs_axes + rhs_axes)
+        some = jnp.any(located, axis=line_axes)
         covered = jnp.all(~bad_row | (per_row > 0), axis=row_free) & jnp.all(
             ~bad_col | (per_col > 0), axis=col_free
         )
         by_col = some & covered & jnp.all(per_col <= 1, axis=col_free)
         by_row = some & covered & jnp.all(per_row <= 1, axis=row_free) & ~by_col
+        # The checksums are scaled by a power of two per matrix; so is the sum they rebuild from.
+        row_scale = _along(rows.scale, batch, out, c.shape)
+        col_scale = _along(cols.scale, batch, out, c.shape)
         clean_part = jnp.where(located, 0.0, c32)
-        from_col = on_c(col_ref - jnp.sum(clean_part, axis=lhs_axes), col_term)
-        from_row = on_c(row_ref - jnp.sum(clean_part, axis=rhs_axes), row_term)
-        fixed = jnp.where(located & on_c(by_col, batch), from_col, c32)
-        fixed = jnp.where(located & on_c(by_row, batch), from_row, fixed)
-        # A single bad row (or column) that the checksums cannot repair is recomputed.
+        from_col = on_c(cols.ref, col_term) - jnp.sum(
+            clean_part * col_scale, lhs_axes, keepdims=True
+        )
+        from_row = on_c(rows.ref, row_term) - jnp.sum(
+            clean_part * row_scale, rhs_axes, keepdims=True
+        )
+        fixed = jnp.where(located & on_c(by_col, batch), from_col / col_scale, c32)
+        fixed = jnp.where(located & on_c(by_row, batch), from_row / row_scale, fixed)
+        # Otherwise the flagged rows (or, with none, the flagged columns) are recomputed.
         n_rows = jnp.sum(bad_row, axis=row_free)
-        n_cols = jnp.sum(bad_col, axis=col_free)
-        one_row = (n_rows == 1) & ~by_col & ~by_row
-        one_col = (n_cols == 1) & ~by_col & ~by_row & ~one_row
+        by_lines = ~by_col & ~by_row
+        redo_rows = br & on_c(by_lines & (n_rows > 0), batch)
+        redo_cols = bc & on_c(by_lines & (n_rows == 0), batch)
         fresh = jnp.einsum(
             ct.spec, a.astype(jnp.float32), b.astype(jnp.float32), precision="highest"
+        ).astype(c.dtype)
+        fixed = jnp.where(redo_rows | redo_cols, fresh.astype(jnp.float32), fixed)
+        # The inputs themselves define a non-finite value in a flagged line: pass on what they
+        # define; this GEMM is not where the error arose.
+        upstream = jnp.any(~jnp.isfinite(fresh) & in_flagged_line, axis=line_axes)
+        fixed = jnp.where(on_c(upstream, batch) & in_flagged_line, fresh, fixed).astype(c.dtype)
+        # Counted corrected only if the repaired matrix passes both checks.
+        rows_after = line_checksums(
+            fixed,
+            a,
+            b,
+            ct,
+            "row",
+            safety=config.safety,
+            precision=precision,
+            lhs_nonnegative=lhs_nonnegative,
         )
-        redo = (br & on_c(one_row, batch)) | (bc & on_c(one_col, batch))
-        fixed = jnp.where(redo, fresh, fixed)
-
-        flagged = (n_rows > 0) | (n_cols > 0)
-        repaired = flagged & (by_col | by_row | one_row | one_col)
-        return fixed.astype(c.dtype), _counts(jnp.sum(flagged), jnp.sum(repaired))
+        cols_after = line_checksums(
+            fixed, a, b, ct, "col", safety=config.safety, precision=precision
+        )
+        passes = jnp.all(rows_after.deviation <= rows_after.threshold, axis=row_free) & jnp.all(
+            cols_after.deviation <= cols_after.threshold, axis=col_free
+        )
+        flagged = jnp.any(bad_row, axis=row_free) | jnp.any(bad_col, axis=col_free)
+        corrected = flagged & ~upstream & passes
+        return fixed, _counts(jnp.sum(flagged), jnp.sum(corrected), jnp.sum(flagged & upstream))
 
     return repair_if(jnp.any(bad_row), locate_and_correct, c)
 
@@ -575,15 +721,29 @@ def check_softmax_rows(
     row_sum = jnp.sum(p32, axis=-1)
     bad = ~(jnp.abs(row_sum - 1.0) <= tol)  # NaN/inf rows fail too
 
-    def bad_matrices():
-        return jnp.sum(jnp.any(bad.reshape(-1, bad.shape[-1]), axis=-1))
+    def per_matrix(rows):
+        return jnp.any(rows.reshape(-1, rows.shape[-1]), axis=-1)
+
+    def upstream_rows():
+        # A flagged row whose softmax, recomputed from its (already checked) input, is not
+        # finite was made non-finite upstream: a fully -inf (masked) row, a NaN score.
+        redo = softmax(scores).astype(probs.dtype)
+        return redo, bad & ~jnp.all(jnp.isfinite(redo), axis=-1)
 
     if not config.correct:
-        return probs, _counts(bad_matrices(), 0)
+        # Telling an upstream non-finite row apart needs the recomputed softmax, which a
+        # detect-only check does not compute (no loop for the step to wait on): every flagged
+        # row counts uncorrectable; the recompute pass of ``repair='recompute'`` classifies it.
+        return probs, _counts(jnp.sum(per_matrix(bad)), 0)
 
     def fix(probs):
-        fixed = jnp.where(bad[..., None], softmax(scores).astype(probs.dtype), probs)
-        return fixed, _counts(bad_matrices(), bad_matrices())
+        redo, upstream = upstream_rows()
+        fixed = jnp.where(bad[..., None], redo, probs)
+        after = jnp.sum(fixed.astype(jnp.float32), axis=-1)
+        still_bad = ~(jnp.abs(after - 1.0) <= tol)
+        detected, upstream = per_matrix(bad), per_matrix(upstream)
+        corrected = detected & ~upstream & ~per_matrix(still_bad)
+        return fixed, _counts(jnp.sum(detected), jnp.sum(corrected), jnp.sum(upstream))
 
     return repair_if(jnp.any(bad), fix, probs)
 
@@ -719,6 +879,33 @@ def zero_sink() -> jax.Array:
     return jnp.zeros((2, NUM_COUNTERS), jnp.float32)
 
 
+def _squeeze_broadcast_axes(ct: Contraction, a, b):
+    """Drops a shared batch axis of size 1 from the operand that broadcasts along it.
+
+    ``...ij,...jk->...ik`` with ``a [1, m, k]`` and ``b [n, k, p]`` is, as in ``jnp.einsum``, a
+    batch of ``n``; without the unit axis, the letter is a free axis of ``b`` alone and the
+    einsum stays a pure contraction (no broadcast copy of ``a``).
+    """
+    size_a = dict(zip(ct.lhs, a.shape, strict=True))
+    size_b = dict(zip(ct.rhs, b.shape, strict=True))
+    shared = [c for c in ct.lhs if c in size_b]
+    for c in shared:
+        if size_a[c] != size_b[c] and 1 not in (size_a[c], size_b[c]):
+            raise ValueError(
+                f"checked einsum {ct.spec!r}: axis {c!r} has size {size_a[c]} in the first "
+                f"operand and {size_b[c]} in the second; sizes must match or one must be 1"
+            )
+    drop_a = [c for c in shared if size_a[c] == 1 and size_b[c] != 1 and c in ct.out]
+    drop_b = [c for c in shared if size_b[c] == 1 and size_a[c] != 1 and c in ct.out]
+    if not drop_a and not drop_b:
+        return (a, b), ct
+    a = jnp.squeeze(a, axis=_axes(ct.lhs, "".join(drop_a)))
+    b = jnp.squeeze(b, axis=_axes(ct.rhs, "".join(drop_b)))
+    lhs = "".join(c for c in ct.lhs if c not in drop_a)
+    rhs = "".join(c for c in ct.rhs if c not in drop_b)
+    return (a, b), Contraction(lhs, rhs, ct.out)
+
+
 def checked_einsum(
     spec: str,
     a: jax.Array,
@@ -755,6 +942,7 @@ def checked_einsum(
       >>> c, counts = checked_einsum("bmk,bkn->bmn", a, b, site="demo:gemm")
     """
     ct = Contraction.parse(spec, a.ndim, b.ndim)
+    (a, b), ct = _squeeze_broadcast_axes(ct, a, b)
     if plan is None:
         plan = inject.active_plan(like=a)
     st = _Static(ct, site, config, precision, preferred_element_type, lhs_nonnegative)

@@ -187,7 +187,7 @@ def _sinks(model: nn.Module, config: GPTConfig):
 
 
 def merge_counts(first: jax.Array, second: jax.Array, second_detected: jax.Array) -> jax.Array:
-    """One site's counters ``[..., 3]`` after a step computed twice (``repair='recompute'``).
+    """One site's counters ``[..., NUM_COUNTERS]`` after a step computed twice (``repair='recompute'``).
 
     ``first`` are the detect-only counts (``[d, 0, d]``), ``second`` those of the recomputation
     with in-place repair, ``second_detected`` whether the recomputation detected anything at
@@ -195,7 +195,7 @@ def merge_counts(first: jax.Array, second: jax.Array, second_detected: jax.Array
     reached downstream, since nothing was repaired there. If it did not, the fault did not come
     back and recomputing corrected it: ``[d, d, 0]``.
     """
-    recomputed = first[..., :1] * jnp.asarray([1, 1, 0], first.dtype)
+    recomputed = first[..., :1] * jnp.asarray([1, 1, 0, 0], first.dtype)
     return jnp.where(second_detected, second, recomputed)
 
 

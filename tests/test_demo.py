@@ -24,7 +24,7 @@ def test_unprotected_breaks_protected_matches_clean(result):
     np.testing.assert_allclose(losses["unprotected"][:20], losses["clean"][:20], rtol=1e-5)
     assert not np.isfinite(losses["unprotected"][21:]).any()
     np.testing.assert_allclose(losses["protected"], losses["clean"], rtol=1e-5)
-    assert result["counters"] == {"decoder/block_0/attn:scores": [1, 1, 0]}
+    assert result["counters"] == {"decoder/block_0/attn:scores": [1, 1, 0, 0]}
 
 
 def test_plot_is_written(result, tmp_path):

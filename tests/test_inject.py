@@ -75,7 +75,7 @@ def test_a_checked_gemm_is_injected_at_the_einsum_output_index():
     detected, counts = checked_einsum(
         spec, a, b, site=SITE, plan=plan, config=ABFTConfig(correct=False)
     )
-    assert counts.tolist() == [1, 0, 1]
+    assert counts.tolist() == [1, 0, 1, 0]
     # Clean elements differ from the einsum's only by round-off (another summation order).
     changed = np.flatnonzero(np.abs(np.asarray(detected - clean)).reshape(-1) > 1e-3)
     assert changed.tolist() == [50] and float(detected.reshape(-1)[50]) == 1e4

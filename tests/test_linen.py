@@ -91,7 +91,7 @@ def test_parity_with_flax(variant, dtype):
             dtype,
             PARITY,
         )
-    np.testing.assert_array_equal(sl.total_counts(st_o["sdc"]), [0, 0, 0])
+    np.testing.assert_array_equal(sl.total_counts(st_o["sdc"]), [0, 0, 0, 0])
 
 
 def test_decode_cache_parity():
@@ -179,7 +179,7 @@ def test_fault_corrected_in_training_step(site, kind, dtype):
     )
     new_state, out = step(state, batch, plan)
     counts = {**sl.site_counts(out.sdc), **sl.backward_site_counts(out.sink_grads)}
-    np.testing.assert_array_equal(counts.pop(full_site), [1, 1, 0])
+    np.testing.assert_array_equal(counts.pop(full_site), [1, 1, 0, 0])
     assert all(not c.any() for c in counts.values()), "another site alarmed"
     assert np.isfinite(out.loss)
     tol = "float32" if dtype == "float32" else "bfloat16"
@@ -218,7 +218,7 @@ def test_recompute_on_detection_matches_in_place_repair(site):
     new_state, out = recompute_stepper()(state, batch, plan)
     counts = {**sl.site_counts(out.sdc), **sl.backward_site_counts(out.sink_grads)}
     if site is not None:
-        np.testing.assert_array_equal(counts.pop(f"decoder/block_0/attn:{site}"), [1, 1, 0])
+        np.testing.assert_array_equal(counts.pop(f"decoder/block_0/attn:{site}"), [1, 1, 0, 0])
     assert all(not c.any() for c in counts.values()), "another site alarmed"
     np.testing.assert_array_equal(out.counts, expected.counts)
     assert_close(out.loss, expected.loss, "float32")
@@ -230,16 +230,16 @@ def test_recompute_on_detection_matches_in_place_repair(site):
 def test_recompute_counts_a_fault_that_does_not_come_back_as_corrected():
     from sdcguard.training import merge_counts
 
-    first = jnp.array([[2, 0, 2], [0, 0, 0], [1, 0, 1]], jnp.int32)  # detect-only pass
+    first = jnp.array([[2, 0, 2, 0], [0, 0, 0, 0], [1, 0, 1, 0]], jnp.int32)  # detect-only pass
     clean = jnp.zeros_like(first)  # the recomputation found nothing: the fault did not recur
     np.testing.assert_array_equal(
-        merge_counts(first, clean, jnp.array(False)), [[2, 2, 0], [0, 0, 0], [1, 1, 0]]
+        merge_counts(first, clean, jnp.array(False)), [[2, 2, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]]
     )
-    again = jnp.array([[1, 1, 0], [0, 0, 0], [0, 0, 0]], jnp.int32)  # it came back, repaired
+    again = jnp.array([[1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]], jnp.int32)  # it came back, repaired
     np.testing.assert_array_equal(merge_counts(first, again, jnp.array(True)), again)
     sinks = jnp.zeros((2, 2, 3)).at[0, 1].set([3.0, 0.0, 3.0])  # backward sink gradients
     merged = merge_counts(sinks, jnp.zeros_like(sinks), jnp.array(False))
-    np.testing.assert_array_equal(merged[0, 1], [3, 3, 0])
+    np.testing.assert_array_equal(merged[0, 1], [3, 3, 0, 0])
 
 
 def test_unknown_repair_mode_is_refused():

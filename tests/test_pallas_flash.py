@@ -65,7 +65,7 @@ def test_forward_and_gradients_equal_reference(dtype):
         q, k, v, fa.zero_sink()
     )
     ref_grads = jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)
-    assert counts.tolist() == [[0, 0, 0]] * 3
+    assert counts.tolist() == [[0, 0, 0, 0]] * 3
     assert np.asarray(grads[3]).sum() == 0  # no backward alarm either
     _close(out, fa.attention_reference(q, k, v, mask=mask, causal=True), dtype)
     for g, r in zip(grads[:3], ref_grads, strict=True):
@@ -127,10 +127,10 @@ def test_injected_faults_match_xla_counters_forward_and_backward():
     g, (out, counts) = grad_flash(q, k, v, fa.zero_sink(), plan)
     gx, (out_x, counts_x) = grad_xla(q_raw, k, v, jnp.zeros((len(GEMM_SITES), 2, 3)), plan)
 
-    assert counts.tolist() == counts_x.tolist() == [[1, 1, 0]] * 3
+    assert counts.tolist() == counts_x.tolist() == [[1, 1, 0, 0]] * 3
     sink_x = np.asarray(gx[3])[[GEMM_SITES.index("scores"), GEMM_SITES.index("context")]]
     np.testing.assert_array_equal(np.asarray(g[3]), sink_x)
-    assert np.asarray(g[3]).tolist() == [[[1, 1, 0]] * 2] * 2
+    assert np.asarray(g[3]).tolist() == [[[1, 1, 0, 0]] * 2] * 2
 
     # Everything was corrected: outputs and gradients are the clean ones.
     clean = lambda q, k, v: jnp.sum(fa.attention_reference(q, k, v, causal=True) * cot)
@@ -151,7 +151,7 @@ def test_detect_only_counts_uncorrectable():
         q, k, v, config=cfg, plan=plan, block_sizes=SMALL, interpret=True
     )
     # Detect-only passes the INF on: the softmax and P·V checks downstream flag it again.
-    assert counts.tolist() == [[1, 0, 1]] * 3
+    assert counts.tolist() == [[1, 0, 1, 0]] * 3
     assert not np.isfinite(np.asarray(out)).all()
 
 

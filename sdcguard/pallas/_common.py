@@ -296,7 +296,10 @@ def check_tile(
 
 
 def matrix_counts(flags: jax.Array, axis) -> jax.Array:
-    """Counts ``[detected, corrected, uncorrectable]`` from per-program flags.
+    """Counts ``[detected, corrected, uncorrectable, nonfinite_input]`` from per-program flags.
+
+    The kernels do not yet tell non-finite inputs apart: those count as uncorrectable, which the
+    update guard refuses as it refuses ``nonfinite_input``.
 
     Args:
       flags: int32 ``[..., 2]``: (detected, uncorrected) of each program; the program axes in
@@ -305,4 +308,4 @@ def matrix_counts(flags: jax.Array, axis) -> jax.Array:
     per_matrix = jnp.max(flags, axis=axis)
     det = per_matrix[..., 0].reshape(-1)
     unc = per_matrix[..., 1].reshape(-1)
-    return jnp.stack([jnp.sum(det), jnp.sum(det * (1 - unc)), jnp.sum(unc)]).astype(jnp.int32)
+    return abft._counts(jnp.sum(det), jnp.sum(det * (1 - unc)))

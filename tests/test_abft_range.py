@@ -1,0 +1,213 @@
+"""The checks hold over the whole finite range of each dtype, and their counts are honest.
+
+Operand scales run from tiny (1e-30 in float32) to huge (1e19), as long as the exact product is
+finite in the output dtype: a clean GEMM never alarms, and a single INF, NaN or flip of the
+exponent's most significant bit is detected and corrected, with the output equal to the clean
+one. Inputs that already hold a non-finite value, and products that overflow the output dtype,
+are their own outcome (``nonfinite_input``), never "corrected".
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tolerances import TOLERANCES, assert_close
+
+from sdcguard.abft import (
+    ABFTConfig,
+    _underflow_slack,
+    check_softmax_rows,
+    checked_einsum,
+    unsafe_checks,
+)
+from sdcguard.inject import Fault, FaultPlan
+
+SPEC = "bmk,bkn->bmn"
+SHAPES = ((2, 16, 32), (2, 32, 24))
+SITE = "t:gemm"
+# log10 of the smallest and largest operand scales, per dtype, with the exponent MSB's bit.
+# bf16 has float32's exponent range; fp16 spans 6e-5 (normal) to 65504.
+RANGES = {
+    jnp.float32: (-30, 19, 30),
+    jnp.bfloat16: (-30, 19, 14),
+    jnp.float16: (-2, 1, 14),
+}
+
+
+def operands(dtype, log_a, log_b, seed):
+    ka, kb = jax.random.split(jax.random.key(seed))
+    a = jax.random.normal(ka, SHAPES[0]) * 10.0**log_a
+    b = jax.random.normal(kb, SHAPES[1]) * 10.0**log_b
+    return a.astype(dtype), b.astype(dtype)
+
+
+@jax.jit
+def _gemm(a, b, plan):
+    return checked_einsum(SPEC, a, b, site=SITE, plan=plan)
+
+
+def _scales(dtype):
+    lo, hi, _ = RANGES[dtype]
+    # Each operand anywhere in the range; the product must stay finite in the output dtype
+    # (|c| <= K·|a||b| with K = 32, a few sigmas).
+    limit = np.log10(float(jnp.finfo(dtype).max)) - 3
+    return (
+        st.tuples(st.integers(lo, hi), st.integers(lo, hi), st.integers(0, 2**16))
+        .filter(lambda s: s[0] + s[1] <= limit)
+        .filter(lambda s: dtype != jnp.float16 or s[0] + s[1] >= -3)
+    )
+
+
+def _large_element(clean) -> int:
+    """An element whose magnitude is at least the median of the matrix: a flip that zeroes it
+    moves the row by far more than round-off (a flip of a value near zero may be invisible to
+    any checksum, and harmless)."""
+    flat = np.abs(np.asarray(clean, np.float32)).reshape(-1)
+    return int(np.argmax(flat >= np.median(flat)))
+
+
+def assert_corrected(out, clean, dtype, err_msg=""):
+    """Corrected means the output is what the inputs define, at every scale, up to the round-off
+    model: relative to the matrix's magnitude, plus the absolute error of products flushed to
+    zero near the bottom of float32's range (abft's underflow slack, lines of up to 32)."""
+    scale = float(jnp.max(jnp.abs(clean.astype(jnp.float32))))
+    rtol, _ = TOLERANCES[jnp.dtype(dtype)]
+    flushed = 32 * _underflow_slack(dtype, SHAPES[0][-1])
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32),
+        np.asarray(clean, np.float32),
+        rtol=0,
+        atol=rtol * scale + flushed,
+        err_msg=err_msg,
+    )
+
+
+@pytest.mark.parametrize("dtype", list(RANGES), ids=lambda d: jnp.dtype(d).name)
+def test_whole_range_clean_never_alarms_and_every_extreme_fault_is_corrected(dtype):
+    _, _, msb = RANGES[dtype]
+
+    @settings(max_examples=12, deadline=None, derandomize=True)
+    @given(_scales(dtype))
+    def check(scales):
+        log_a, log_b, seed = scales
+        a, b = operands(dtype, log_a, log_b, seed)
+        clean = jnp.einsum(SPEC, a, b)
+        if not bool(jnp.all(jnp.isfinite(clean))):
+            return  # the product overflows: not this property (see the overflow test below)
+        out, counts = _gemm(a, b, FaultPlan.none())
+        np.testing.assert_array_equal(counts, [0, 0, 0, 0], err_msg=f"clean at {scales}")
+        index = _large_element(clean)
+        for kind in ("inf", "nan", "bitflip"):
+            plan = FaultPlan.from_faults([Fault(site=SITE, kind=kind, index=index, bit=msb)])
+            out, counts = _gemm(a, b, plan)
+            np.testing.assert_array_equal(counts, [1, 1, 0, 0], err_msg=f"{kind} at {scales}")
+            assert_corrected(out, clean, dtype, err_msg=f"{kind} at {scales}")
+
+    check()
+
+
+@pytest.mark.parametrize(
+    "log_a, log_b",
+    [(-20, 0), (-18, -19), (-30, 0), (19, 18), (18, 18)],
+    ids=["1e-20x1", "1e-18x1e-19", "1e-30x1", "1e19x1e18", "1e18x1e18"],
+)
+def test_reported_magnitudes(log_a, log_b):
+    """The operand scales at which squared norms underflowed (false alarms) or overflowed
+    (missed or mis-corrected faults)."""
+    a, b = operands(jnp.float32, log_a, log_b, seed=0)
+    clean = jnp.einsum(SPEC, a, b)
+    _, counts = _gemm(a, b, FaultPlan.none())
+    np.testing.assert_array_equal(counts, [0, 0, 0, 0])
+    for kind in ("inf", "bitflip"):
+        plan = FaultPlan.from_faults(
+            [Fault(site=SITE, kind=kind, index=_large_element(clean), bit=30)]
+        )
+        out, counts = _gemm(a, b, plan)
+        np.testing.assert_array_equal(counts, [1, 1, 0, 0])
+        assert_corrected(out, clean, jnp.float32, err_msg=kind)
+
+
+def test_tiny_gradients_raise_no_alarm():
+    """A loss scaled by 1e-20: every backward GEMM sees ~1e-19 cotangents."""
+    a, b = operands(jnp.float32, 0, 0, seed=1)
+
+    def loss(a, b, sink):
+        c, _ = checked_einsum(SPEC, a, b, site=SITE, sink=sink)
+        return 1e-20 * jnp.sum(jnp.sin(c))
+
+    _, _, sink_grad = jax.grad(loss, argnums=(0, 1, 2))(a, b, jnp.zeros((2, 4)))
+    np.testing.assert_array_equal(np.asarray(sink_grad), np.zeros((2, 4)))
+
+
+@pytest.mark.parametrize("value", [jnp.nan, jnp.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("correct", [True, False], ids=["in_place", "detect_only"])
+def test_nonfinite_input_is_its_own_outcome(value, correct):
+    a, b = operands(jnp.float32, 0, 0, seed=2)
+    a = a.at[1, 4, 7].set(value)  # upstream of this GEMM
+    out, counts = checked_einsum(SPEC, a, b, site=SITE, config=ABFTConfig(correct=correct))
+    np.testing.assert_array_equal(counts, [1, 0, 0, 1])
+    assert int(unsafe_checks(counts)) == 1  # the guard refuses it as it refuses uncorrectable
+    # The output is what the inputs define: non-finite exactly where jnp.einsum's is.
+    expected = jnp.einsum(SPEC, a, b)
+    np.testing.assert_array_equal(np.isfinite(out), np.isfinite(expected))
+
+
+def test_nonfinite_input_and_a_fault_elsewhere_in_the_matrix():
+    a, b = operands(jnp.float32, 0, 0, seed=3)
+    a = a.at[0, 2, 5].set(jnp.nan)
+    plan = FaultPlan.from_faults([Fault(site=SITE, kind="inf", index=9 * 24 + 3)])
+    out, counts = _gemm(a, b, plan)
+    np.testing.assert_array_equal(counts, [1, 0, 0, 1])
+    np.testing.assert_array_equal(np.isfinite(out), np.isfinite(jnp.einsum(SPEC, a, b)))
+
+
+def test_fp16_row_that_overflows_is_not_corrected():
+    a, b = operands(jnp.float16, 0, 0, seed=4)
+    a = a.at[0, 3].set(jnp.float16(30000.0))  # row 3 of matrix 0: |c| ~ 3e4·sqrt(32)·|b| > 65504
+    expected = jnp.einsum(SPEC, a, b)
+    assert not bool(jnp.all(jnp.isfinite(expected)))
+    out, counts = _gemm(a, b, FaultPlan.none())
+    np.testing.assert_array_equal(counts, [1, 0, 0, 1])
+    np.testing.assert_array_equal(np.isfinite(out), np.isfinite(expected))
+
+
+def test_fully_masked_softmax_row_is_its_own_outcome():
+    """A row whose bias is all ``-inf`` has no softmax: NaN is what the inputs define."""
+    scores = jax.random.normal(jax.random.key(5), (2, 3, 8, 8))
+    scores = scores.at[1, 2, 4].set(-jnp.inf)
+    probs = jax.nn.softmax(scores)
+    out, counts = check_softmax_rows(probs, scores, jax.nn.softmax, ABFTConfig())
+    np.testing.assert_array_equal(counts, [1, 0, 0, 1])
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(probs))
+
+
+@pytest.mark.parametrize(
+    "spec, shape_a, shape_b",
+    [
+        ("...ij,...jk->...ik", (2, 3, 4, 5), (5, 6)),
+        ("...ij,...jk->...ik", (2, 3, 4, 5), (3, 5, 6)),
+        ("...ij,...jk->...ik", (1, 4, 5), (3, 5, 6)),
+        ("...ij,...jk->...ik", (2, 3, 4, 5), (2, 1, 5, 6)),
+    ],
+    ids=["rank2-vs-none", "rank2-vs-rank1", "unit-batch-lhs", "unit-batch-rhs"],
+)
+def test_ellipsis_broadcasting_as_in_jnp_einsum(spec, shape_a, shape_b):
+    ka, kb = jax.random.split(jax.random.key(6))
+    a, b = jax.random.normal(ka, shape_a), jax.random.normal(kb, shape_b)
+    expected = jnp.einsum(spec, a, b)
+    out, counts = checked_einsum(spec, a, b, site=SITE)
+    assert out.shape == expected.shape
+    assert_close(out, expected, jnp.float32)
+    np.testing.assert_array_equal(counts, [0, 0, 0, 0])
+    # Gradients flow to the operands in their own shapes.
+    ga, gb = jax.grad(lambda a, b: jnp.sum(checked_einsum(spec, a, b, site=SITE)[0]), (0, 1))(a, b)
+    ra, rb = jax.grad(lambda a, b: jnp.sum(jnp.einsum(spec, a, b)), (0, 1))(a, b)
+    assert_close(ga, ra, jnp.float32)
+    assert_close(gb, rb, jnp.float32)
+
+
+def test_mismatched_batch_sizes_are_refused():
+    with pytest.raises(ValueError, match="sizes must match or one must be 1"):
+        checked_einsum("...ij,...jk->...ik", jnp.ones((2, 4, 5)), jnp.ones((3, 5, 6)), site=SITE)
