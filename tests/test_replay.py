@@ -197,11 +197,14 @@ def test_cli_sites_lists_injectable_sites(capsys):
 
 def test_two_subprocesses_and_launcher_bit_identical(tmp_path):
     # Node A: a subprocess pinned to device 0; node B: a "host" reached through a launcher
-    # template, run locally with `env` (a separate process, no shell). Both run record and
-    # stream their traces back over stdout; B gets A's trace on stdin to lock-step to.
+    # template that, like ssh, prints a login banner (100 KB) before running the command (a
+    # separate process, no shell). Both run record and stream their traces back over stdout;
+    # B gets A's trace on stdin to lock-step to.
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     remote = f"{sys.executable} -m sdcguard.replay.command"
+    here = os.path.dirname(os.path.abspath(__file__))
+    launcher = f"{sys.executable} {os.path.join(here, 'replay_launcher.py')} {{node}}"
     argv = [
         sys.executable,
         "-m",
@@ -214,7 +217,7 @@ def test_two_subprocesses_and_launcher_bit_identical(tmp_path):
         "--node-b",
         "node-b1",
         "--launcher",
-        "env NODE={node}",
+        launcher,
         "--remote-command",
         remote,
         "--json",
@@ -226,7 +229,7 @@ def test_two_subprocesses_and_launcher_bit_identical(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["identical"] is True and report["lockstep"] is True
-    assert report["first_divergence"] is None
+    assert report["first_divergence"] is None and report["exit_code"] == 0
     # The deterministic flags were set before JAX started in each node's process.
     traces = sorted((tmp_path / "out" / "traces").iterdir())
     assert len(traces) == 2

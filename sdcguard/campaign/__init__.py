@@ -299,8 +299,8 @@ def register(subparsers) -> None:
         description="Injects one fault per trial into real training, for every site x kind x "
         "trial of the grid and every protection level, and reports harm, detection and "
         "correction. Results are appended per trial to OUT/trials.jsonl: rerun the same "
-        "command to resume (after Ctrl-C, exit 130). Exit 2 on bad options (the error on stderr, no "
-        "traceback), among them an OUT holding trials of another grid.",
+        "command to resume (after Ctrl-C, exit 130). Exit 2 on bad options (the error on "
+        "stderr, no traceback), among them an OUT holding trials of another grid.",
     )
     d = CampaignConfig()
     p.add_argument(
@@ -467,6 +467,7 @@ def _main(args: argparse.Namespace) -> int:
     console = Console()
     try:
         config = config_from_args(args)
+        config.site_list()  # unknown sites fail before anything is created
         check_output_dir(config.out, "--out")
         result = run_campaign(
             config,

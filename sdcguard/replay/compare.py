@@ -154,7 +154,7 @@ def compare_nodes(options: CompareOptions, *, progress=None, log=None) -> diff.C
                         summary["trace"] = None
             return comparison
     finally:
-        processes.kill_all()
+        processes.close()
 
 
 def _bind(fn, node: str):

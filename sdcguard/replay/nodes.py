@@ -233,10 +233,22 @@ class Processes:
     def __init__(self):
         self._lock = threading.Lock()
         self._running: set[subprocess.Popen] = set()
+        self._closed = False
 
     def add(self, proc: subprocess.Popen) -> None:
+        """Registers a started process; after :meth:`close` it is killed at once instead."""
         with self._lock:
-            self._running.add(proc)
+            if not self._closed:
+                self._running.add(proc)
+                return
+        _kill(proc)
+        raise NodeError("interrupted")
+
+    def close(self) -> None:
+        """Kills every process, and every one registered from now on."""
+        with self._lock:
+            self._closed = True
+        self.kill_all()
 
     def discard(self, proc: subprocess.Popen) -> None:
         with self._lock:

@@ -175,6 +175,16 @@ def check(options: ScanOptions) -> list[nodes.Node]:
     return parsed
 
 
+def _reason(e: Exception) -> str:
+    """Why a node failed, in one line (the type too when it is not an expected error)."""
+    from sdcguard.cli import one_line
+
+    if isinstance(e, ValueError | OSError):  # NodeError, TaskError, TraceError among them
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        return lines[0] if lines else type(e).__name__
+    return one_line(e)
+
+
 def _dir_name(index: int, node: str) -> str:
     return f"{index:03d}-" + re.sub(r"[^A-Za-z0-9.-]", "-", node)
 
@@ -206,11 +216,9 @@ def scan_nodes(options: ScanOptions, *, progress=None, log=None) -> ScanResult:
     traces: dict[int, Trace] = {}
     processes = nodes.Processes()
     report = progress or (lambda *_: None)
-    try:
-        with (
-            make_workdir(options.workdir, options.keep) as (work, removed),
-            concurrent.futures.ThreadPoolExecutor(max_workers=options.jobs) as pool,
-        ):
+    with make_workdir(options.workdir, options.keep) as (work, removed):
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=options.jobs)
+        try:
 
             def run(i: int, reference: Trace | None = None, prefix: str = ""):
                 name = options.nodes[i]
@@ -234,8 +242,8 @@ def scan_nodes(options: ScanOptions, *, progress=None, log=None) -> ScanResult:
                     traces[i], results[i].seconds = future.result()
                     results[i].trace = traces[i].path
                     report(options.nodes[i], "done", 1, 1)
-                except (nodes.NodeError, ValueError, OSError) as e:
-                    results[i].error = str(e).splitlines()[0]
+                except Exception as e:  # one node failing must not end the scan
+                    results[i].error = _reason(e)
                     report(options.nodes[i], "failed", 1, 1)
             status, groups, majority, reason = _group(results, traces)
             if majority is not None:
@@ -244,8 +252,10 @@ def scan_nodes(options: ScanOptions, *, progress=None, log=None) -> ScanResult:
                 for r in results:
                     if r.trace is not None and not r.node.startswith("trace:"):
                         r.trace = None
-    finally:
-        processes.kill_all()
+        finally:
+            # Interrupted or done: no queued node starts, no running one is left behind.
+            processes.close()
+            pool.shutdown(wait=True, cancel_futures=True)
     return ScanResult(
         status=status,
         nodes=results,
@@ -343,8 +353,8 @@ def _explain_suspects(options, results, traces, majority_nodes, pool, run) -> No
         try:
             rerun, _ = reruns[i].result()
             results[i].comparison = diff.compare(reference, rerun)
-        except (nodes.NodeError, ValueError, OSError) as e:
-            results[i].rerun_error = str(e).splitlines()[0]
+        except Exception as e:
+            results[i].rerun_error = _reason(e)
         if results[i].comparison is not None and results[i].comparison.identical:
             # Not reproduced from the majority's inputs: the free run's evidence stands.
             results[i].rerun_error = "the lock-stepped rerun matched the majority (intermittent?)"
