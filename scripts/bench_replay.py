@@ -8,9 +8,16 @@
      it into a trace on disk.
 2. Wall time of a full ``sdcguard compare`` (local vs local, all levels, the task's 3 steps):
    cold (a fresh process: start-up and compilation included) and warm (programs compiled).
+3. Wall time of ``sdcguard scan`` over five local nodes (each a process started through a
+   launcher, as ``ssh {node}`` would: start-up and compilation included), all levels, the
+   task's 3 steps, ``--jobs 5``: five healthy nodes (exit 0), and five with one made to
+   corrupt silently by ``tests/replay_launcher.py`` (exit 1: the suspect is rerun lock-stepped
+   to a majority node). Next to them, in the same run, one node alone (``sdcguard record`` in
+   a fresh process), interleaved, median of ``--scan-repeats``.
 
 Usage:
-  python scripts/bench_replay.py [--repeats 20] [--json runs/bench_replay.json]
+  python scripts/bench_replay.py [--repeats 20] [--scan-repeats 2] [--only capture,compare,scan]
+                                 [--json runs/bench_replay.json]
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -133,32 +141,113 @@ def bench_compare() -> dict:
     }
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NODES = ("n1", "n2", "n3", "n4", "n5")
+
+
+def _timed(argv, env, expect: int) -> float:
+    """Wall time of a command, which must exit with ``expect``."""
+    t = time.perf_counter()
+    proc = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True)
+    seconds = time.perf_counter() - t
+    if proc.returncode != expect:
+        raise RuntimeError(f"{argv[3]} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return seconds
+
+
+def bench_scan(repeats: int) -> dict:
+    python = sys.executable
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    command = [python, "-m", "sdcguard.replay.command"]
+    launcher = f"{python} {os.path.join(ROOT, 'tests', 'replay_launcher.py')} {{node}}"
+    scratch = tempfile.mkdtemp(prefix="bench-scan-")
+    scan = [
+        *command,
+        *("scan", "--nodes", ",".join(NODES), "--jobs", str(len(NODES))),
+        *("--launcher", launcher, "--remote-command", shlex.join(command)),
+    ]
+    runs = {
+        "one node (record)": ([*command, "record", "--out", os.path.join(scratch, "t")], env, 0),
+        "scan, 5 healthy nodes": ([*scan, "--json", os.path.join(scratch, "h.json")], env, 0),
+        "scan, 5 nodes, n3 corrupt": (
+            [*scan, "--json", os.path.join(scratch, "c.json")],
+            {**env, "SDCGUARD_TEST_CORRUPT_NODES": "n3"},
+            1,
+        ),
+    }
+    times = {k: [] for k in runs}
+    for _ in range(repeats):  # interleaved
+        for name, (argv, run_env, expect) in runs.items():
+            times[name].append(_timed(argv, run_env, expect))
+    with open(os.path.join(scratch, "c.json")) as f:
+        corrupt = json.load(f)
+    with open(os.path.join(scratch, "h.json")) as f:
+        healthy = json.load(f)
+    shutil.rmtree(scratch, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    one = med["one node (record)"]
+    return {
+        "median_s": med,
+        "ratio_vs_one_node": {k: v / one for k, v in med.items()},
+        "repeats": repeats,
+        "cpus": os.cpu_count(),
+        "healthy_status": healthy["status"],
+        "corrupt_status": corrupt["status"],
+        "corrupt_suspects": [s["node"] for s in corrupt["suspects"]],
+        "corrupt_first_divergence": corrupt["suspects"][0]["first_divergence"],
+        "node_seconds_healthy": [n["seconds"] for n in healthy["nodes"]],
+        "command": shlex.join(scan).replace(python, "python"),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--scan-repeats", type=int, default=2)
+    parser.add_argument("--only", default="capture,compare,scan")
     parser.add_argument("--json", default="runs/bench_replay.json")
     args = parser.parse_args()
+    only = set(args.only.split(","))
     device = jax.devices()[0]
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True)
     result = {
         "device": f"{device.platform}:{device.device_kind}",
         "jax": jax.__version__,
-        "record_step": bench_capture(args.repeats),
-        "compare": bench_compare(),
+        "commit": head.stdout.decode().strip(),
     }
-    r = result["record_step"]
-    print(
-        f"reference GPT on {result['device']} ({r['taps']} taps, "
-        f"{r['captured_elements']:,} captured elements per step)"
-    )
-    print(f"{'':<18}{'median ms':>12}{'x plain':>10}")
-    for k, v in r["median_s"].items():
-        print(f"{k:<18}{v * 1e3:>12.2f}{r['ratio_vs_plain'][k]:>10.2f}")
-    c = result["compare"]
-    print(
-        f"sdcguard compare (local vs local, all levels, 3 steps, {c['tensors_compared']} "
-        f"tensors): cold process {c['cold_process_s']:.1f} s, warm {c['warm_s']:.2f} s, "
-        f"identical={c['identical']}"
-    )
+    if "capture" in only:
+        result["record_step"] = bench_capture(args.repeats)
+        r = result["record_step"]
+        print(
+            f"reference GPT on {result['device']} ({r['taps']} taps, "
+            f"{r['captured_elements']:,} captured elements per step)"
+        )
+        print(f"{'':<18}{'median ms':>12}{'x plain':>10}")
+        for k, v in r["median_s"].items():
+            print(f"{k:<18}{v * 1e3:>12.2f}{r['ratio_vs_plain'][k]:>10.2f}")
+    if "compare" in only:
+        result["compare"] = bench_compare()
+        c = result["compare"]
+        print(
+            f"sdcguard compare (local vs local, all levels, 3 steps, {c['tensors_compared']} "
+            f"tensors): cold process {c['cold_process_s']:.1f} s, warm {c['warm_s']:.2f} s, "
+            f"identical={c['identical']}"
+        )
+    if "scan" in only:
+        result["scan"] = s = bench_scan(args.scan_repeats)
+        print(
+            f"sdcguard scan, reference GPT, all levels, 3 steps, --jobs 5, {s['cpus']} CPUs "
+            f"(median of {s['repeats']}, interleaved):"
+        )
+        print(f"{'':<28}{'median s':>10}{'x one node':>12}")
+        for k, v in s["median_s"].items():
+            print(f"{k:<28}{v:>10.1f}{s['ratio_vs_one_node'][k]:>12.2f}")
+        first = s["corrupt_first_divergence"]
+        print(
+            f"healthy: {s['healthy_status']}; corrupt: {s['corrupt_status']}, suspects "
+            f"{s['corrupt_suspects']}, first divergence {first['level']} level "
+            f"{first['name']} in {first['module']}"
+        )
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
