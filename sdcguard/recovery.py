@@ -261,6 +261,9 @@ class SnapshotRing:
       keep: how many complete snapshots to keep (oldest dropped first).
       max_in_flight: snapshots copying at once; :meth:`take` waits beyond this, so a slow host
         cannot let copies pile up in memory.
+      erasure: an :class:`sdcguard.erasure.ErasureCode` for sharded state: each host (device)
+        keeps its own shards plus parity, and the snapshot is rebuilt bit-exact after the loss
+        of hosts' memory (:class:`sdcguard.erasure.CodedSnapshot`). None: whole copies here.
 
     Example:
       >>> ring = SnapshotRing(keep=2)
@@ -268,13 +271,14 @@ class SnapshotRing:
       >>> state, snap = ring.restore()
     """
 
-    def __init__(self, keep: int = 2, *, max_in_flight: int = 2):
+    def __init__(self, keep: int = 2, *, max_in_flight: int = 2, erasure=None):
         if keep < 1:
             raise ValueError(f"SnapshotRing keeps at least one snapshot, got keep={keep}")
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.keep = keep
         self.max_in_flight = max_in_flight
+        self.erasure = erasure
         self.failures: list[str] = []
         self._done: collections.deque[Snapshot] = collections.deque(maxlen=keep)
         self._in_flight: collections.deque[concurrent.futures.Future] = collections.deque()
@@ -294,18 +298,21 @@ class SnapshotRing:
 
     def _finish(self, step, meta, leaves, recipes, treedef) -> None:
         try:
-            host = []
-            for x in leaves:
-                copy = np.array(x)  # owns its memory: later device writes cannot reach it
-                copy.setflags(write=False)
-                host.append(copy)
-            fingerprints = np.stack([host_fingerprint(x) for x in host]).reshape(-1, 2)
+            if self.erasure is not None:  # each host's shards and parity (sdcguard.erasure)
+                snapshot = self.erasure.snapshot(step, meta, leaves, recipes, treedef)
+            else:
+                host = []
+                for x in leaves:
+                    copy = np.array(x)  # owns its memory: later device writes cannot reach it
+                    copy.setflags(write=False)
+                    host.append(copy)
+                fingerprints = np.stack([host_fingerprint(x) for x in host]).reshape(-1, 2)
+                snapshot = Snapshot(step, meta, tuple(host), fingerprints, recipes, treedef)
         except Exception as e:  # a failed copy must not kill training, nor be restorable
             message = f"snapshot of step {step} failed and was dropped: {type(e).__name__}: {e}"
             log.warning(message)
             self.failures.append(message)
             return
-        snapshot = Snapshot(step, meta, tuple(host), fingerprints, recipes, treedef)
         with self._lock:
             self._done.append(snapshot)
 
