@@ -436,7 +436,7 @@ def _sites(args) -> int:
     from sdcguard.sites import match_sites
 
     task = load_task(args.task)
-    params = jax.eval_shape(task._init_from_seed)
+    params = task.abstract_params()
     programs = Programs(task)
     batch = task.batch(0)
     sizes = programs.site_sizes(params, jax.eval_shape(task.optimizer.init, params), batch)

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 
 from sdcguard.replay import diff, nodes
-from sdcguard.replay.record import RecordOptions, check_options
+from sdcguard.replay.record import RecordOptions, check_options, open_trace
 from sdcguard.replay.trace import clean_stale, private_tmpdir
 
 WORKDIR_PREFIX = "sdcguard-replay"
@@ -71,7 +71,8 @@ def check(options: CompareOptions) -> tuple[nodes.Node, nodes.Node]:
 
     The task is loaded here (and fault specs and ``--sites`` patterns checked against it)
     when a node runs here (``local``, ``local:N``) or the options name sites; a comparison of
-    host nodes alone with neither does not need the task on this machine.
+    host nodes (and recorded traces) alone with neither does not need the task on this
+    machine.
 
     Raises:
       NodeError, TaskError, ValueError: one line, naming what is wrong.
@@ -80,15 +81,25 @@ def check(options: CompareOptions) -> tuple[nodes.Node, nodes.Node]:
     opts_a, opts_b = options.node_options()
     for opts in (opts_a, opts_b):
         opts.faults()  # a malformed spec fails here, with no task loaded
-    runs_here = {node_a.kind, node_b.kind} & {"local", "device"}
-    names_sites = opts_a.inject or opts_b.inject or opts_a.armed or opts_a.sites
-    if runs_here or names_sites:
-        if node_a.kind == "trace" and node_b.kind == "trace":
-            return node_a, node_b  # nothing runs: the traces carry their own options
-        if node_a.kind != "trace":
-            check_options(opts_a)
+    runs_here = bool({node_a.kind, node_b.kind} & {"local", "device"})
+    if node_b.kind == "trace":
+        return node_a, node_b  # B runs nothing (and A's trace, if any, is opened later)
+    if node_a.kind == "trace":
+        if runs_here or opts_b.inject:  # B replays A's recorded options
+            check_options(_replay_options(open_trace(node_a.value), opts_b.inject))
+        return node_a, node_b
+    if runs_here or opts_a.inject or opts_b.inject or opts_a.armed or opts_a.sites:
+        check_options(opts_a)
         check_options(opts_b)
     return node_a, node_b
+
+
+def _replay_options(trace_a, inject: tuple[str, ...]) -> RecordOptions:
+    """What a node B runs to replay the recorded trace A: A's task, steps, levels, captured
+    and armed sites, with B's own faults."""
+    return dataclasses.replace(
+        RecordOptions.from_json(trace_a.manifest.get("options", {})), inject=inject
+    )
 
 
 @contextlib.contextmanager
@@ -140,12 +151,7 @@ def compare_nodes(options: CompareOptions, *, progress=None, log=None) -> diff.C
 
             trace_a = run(node_a, opts_a, "a")
             if node_a.kind == "trace" and node_b.kind != "trace":
-                # B replays what A recorded: same task, steps, levels, captured and armed sites.
-                opts_b = dataclasses.replace(
-                    RecordOptions.from_json(trace_a.manifest.get("options", {})),
-                    inject=opts_b.inject,
-                )
-                check_options(opts_b)
+                opts_b = _replay_options(trace_a, opts_b.inject)  # checked by check()
             trace_b = run(node_b, opts_b, "b", reference=trace_a)
             comparison = diff.compare(trace_a, trace_b, allow_mismatch=options.allow_mismatch)
             if removed:  # the traces go with the temporary directory

@@ -454,7 +454,8 @@ def run_node(
     Args:
       node: where to run.
       options: what to run.
-      out: the new trace's directory (unused for ``trace:`` nodes); removed on failure.
+      out: the new trace's directory (unused for ``trace:`` nodes); a trace there is replaced
+        only by a complete new one, and a failed node leaves nothing behind.
       reference: the healthy node's trace (lock-step / synchronisation), or None.
       launch: how processes are started (launcher, remote command, time-out).
       progress, log, processes: see :func:`run_process`.
@@ -465,11 +466,8 @@ def run_node(
     if node.kind == "trace":
         return open_trace(node.value)
     if node.kind == "local":
-        try:
-            record(options, out, reference=reference, progress=progress)
-        except BaseException:
-            shutil.rmtree(out, ignore_errors=True)
-            raise
+        # A failed record leaves nothing (and a trace already at ``out`` untouched).
+        record(options, out, reference=reference, progress=progress)
         return open_trace(out)
     token = secrets.token_hex(8)
     if node.kind == "device":

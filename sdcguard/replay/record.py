@@ -203,15 +203,22 @@ def check_options(options: RecordOptions, task: ReplayTask | None = None) -> lis
       TaskError: the task cannot be loaded. ValueError: a bad spec, site or pattern.
     """
     task = task or options.load_task()
-    params = jax.eval_shape(task._init_from_seed)
+    params = task.abstract_params()
     opt_state = jax.eval_shape(task.optimizer.init, params)
     batch = task.batch(0)
     programs = programs_for(task, options)
     sizes = programs.site_sizes(params, opt_state, batch)
     faults = check_faults(options, task, sizes, programs.site_dtypes(params, opt_state, batch))
-    for site in options.armed_sites():
+    armed = options.armed_sites()
+    for site in armed:
         if site not in sizes:
             raise ValueError(f"--arm: {unknown_site_message(site, sizes)}")
+    for f in faults:
+        if f.site not in armed:  # compared nodes must compile the same injection sites
+            raise ValueError(
+                f"fault site {f.site!r} is not armed (armed: {', '.join(armed) or 'none'}); "
+                "add it to --arm on every node compared"
+            )
     if options.sites:
         every = programs_for(task, dataclasses.replace(options, sites=None))
         taps = every.taps(params, batch)

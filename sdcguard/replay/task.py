@@ -88,9 +88,13 @@ class ReplayTask:
             for i, c in enumerate(self.rng_collections)
         }
 
+    def abstract_params(self):
+        """The parameter tree's shapes and dtypes (``jax.ShapeDtypeStruct``), computing nothing."""
+        return jax.eval_shape(self._init_from_seed)
+
     def init_params(self):
         """Initial parameters: restored from ``checkpoint`` or initialised from ``seed``."""
-        abstract = jax.eval_shape(self._init_from_seed)
+        abstract = self.abstract_params()
         if self.checkpoint is None:
             return self._init_from_seed()
         return restore_params(self.checkpoint, abstract)
