@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from sdcguard import abft as abft_lib
 from sdcguard import inject, linen
 from sdcguard.abft import NUM_COUNTERS, ABFTConfig
 from sdcguard.in_place import apply_if
@@ -35,6 +36,8 @@ from sdcguard.models import (
     mask_tokens,
     mlm_loss,
 )
+from sdcguard.optim import GuardState
+from sdcguard.triage import with_triage
 
 UNCHECKED = ABFTConfig(sites=())  # layers swapped, injection points live, nothing checked
 MODEL_KINDS = ("gpt", "encoder")
@@ -56,7 +59,7 @@ class StepOutput(NamedTuple):
 
     loss: float32 scalar, before the update.
     grad_norm: float32 scalar, global L2 norm of the parameter gradients.
-    counts: int32 ``[3]`` totals forward + backward (detected, corrected, uncorrectable).
+    counts: int32 ``[NUM_COUNTERS]`` totals forward + backward (see :class:`sdcguard.abft.Counts`).
     sdc: the ``'sdc'`` collection (forward counters per layer).
     sink_grads: gradient of the ``'sdc_grad'`` collection (backward counters per layer).
     """
@@ -94,6 +97,12 @@ class TrainConfig:
         counted as corrected. A clean step costs detection only. With
         ``abft.correct=False`` both modes are the same detect-only step; a ``hit_log`` sees
         the faults of both passes of a recomputed step.
+      triage: when the optimizer is an update guard (:func:`sdcguard.optim.refuse_corrupted`),
+        a step it would refuse for a gradient-norm or loss spike alone is computed again
+        (:func:`sdcguard.triage.with_triage`): bit-identical, the spike is real and the update
+        stands; different, the first pass was corrupted and the recomputation is used. The
+        recomputation runs with the fault plan disarmed: an injected fault is a transient
+        one, which does not come back.
 
     Example:
       >>> TrainConfig(model_kind="encoder", output_sites=("encoder/block_0/mlp:output",))
@@ -108,6 +117,7 @@ class TrainConfig:
     abft: ABFTConfig | None = ABFTConfig()
     output_sites: tuple[str, ...] = ()
     repair: str = "in_place"
+    triage: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "output_sites", tuple(self.output_sites))
@@ -187,7 +197,8 @@ def _sinks(model: nn.Module, config: GPTConfig):
 
 
 def merge_counts(first: jax.Array, second: jax.Array, second_detected: jax.Array) -> jax.Array:
-    """One site's counters ``[..., NUM_COUNTERS]`` after a step computed twice (``repair='recompute'``).
+    """One site's counters ``[..., NUM_COUNTERS]`` after a step computed twice
+    (``repair='recompute'``).
 
     ``first`` are the detect-only counts (``[d, 0, d]``), ``second`` those of the recomputation
     with in-place repair, ``second_detected`` whether the recomputation detected anything at
@@ -214,7 +225,8 @@ def make_train_step(
     Args:
       config: the run.
       optimizer: default ``optax.adam(config.learning_rate)``; it receives ``loss`` and
-        ``abft_uncorrectable`` as extra arguments (an update guard reads them).
+        ``abft_uncorrectable`` (:func:`sdcguard.abft.unsafe_checks` of the counters) as extra
+        arguments (an update guard reads them; with ``config.triage`` its spikes are triaged).
       hit_log: if given, every fault that fires is reported to it (a diagnostic; see
         :class:`sdcguard.inject.HitLog`).
 
@@ -274,7 +286,11 @@ def make_train_step(
             else jnp.zeros((NUM_COUNTERS,), jnp.int32)
         )
         updates, opt_state = optimizer.update(
-            grads, state.opt_state, state.params, loss=loss, abft_uncorrectable=counts[2]
+            grads,
+            state.opt_state,
+            state.params,
+            loss=loss,
+            abft_uncorrectable=abft_lib.unsafe_checks(counts),
         )
         params = optax.apply_updates(state.params, updates)
         out = StepOutput(loss, optax.tree.norm(grads), counts, sdc, sink_grads)
@@ -299,11 +315,22 @@ def make_train_step(
 
         return apply_if(first[1].counts[0] > 0, recompute, first)
 
-    @jax.jit
-    def step(state: TrainState, batch: jax.Array, plan: inject.FaultPlan):
+    def one_step(state: TrainState, batch: jax.Array, plan: inject.FaultPlan):
         plan = plan.at_step(state.step)
         if protected and config.repair == "recompute" and config.abft.correct:
             return recomputed_if_detected(state, batch, plan)
         return advance(state, batch, plan, config.abft)
 
-    return state, step
+    guarded = any(
+        isinstance(x, GuardState)
+        for x in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, GuardState))
+    )
+    if config.triage and guarded:
+        one_step = with_triage(one_step, recompute_args=_disarmed)
+    return state, jax.jit(one_step)
+
+
+def _disarmed(args: tuple) -> tuple:
+    """The step's arguments with the fault plan made inert: a transient fault does not recur."""
+    state, batch, plan = args
+    return state, batch, plan._replace(site=jnp.full_like(plan.site, -1))

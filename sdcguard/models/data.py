@@ -34,11 +34,15 @@ class ByteBatches:
       batch_size: sequences per batch.
       seq_len: tokens per sequence (the model sees ``seq_len`` inputs and predicts the next).
       seed: seed of the window offsets.
+      switch_at: from this batch index on, every byte is mapped through a fixed permutation
+        of the 256 byte values (the same text in another alphabet): a lasting change of the
+        data's distribution, like a curriculum switch; None: never.
     """
 
     batch_size: int = 8
     seq_len: int = 64
     seed: int = 0
+    switch_at: int | None = None
 
     def __post_init__(self):
         if self.batch_size < 1 or self.seq_len < 2:
@@ -53,6 +57,8 @@ class ByteBatches:
         rng = np.random.default_rng([self.seed, index])
         starts = rng.integers(0, data.size - self.seq_len - 1, size=self.batch_size)
         windows = np.stack([data[s : s + self.seq_len + 1] for s in starts])
+        if self.switch_at is not None and index >= self.switch_at:
+            windows = np.random.default_rng([self.seed, 0x5717C4]).permutation(256)[windows]
         return windows.astype(np.int32)
 
     def __iter__(self):
