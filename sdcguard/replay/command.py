@@ -310,7 +310,13 @@ def record_command(args) -> int:
 def _record(args) -> int:
     from sdcguard.replay.nodes import progress_line
     from sdcguard.replay.record import open_trace, record
-    from sdcguard.replay.trace import check_token, read_trace_stream, write_trace_frames
+    from sdcguard.replay.trace import (
+        check_token,
+        clean_stale,
+        private_tmpdir,
+        read_trace_stream,
+        write_trace_frames,
+    )
 
     armed = None if args.arm is None else tuple(s for s in args.arm if s != "-")
     options = _record_options(args, inject=tuple(args.inject), armed=armed, device=args.device)
@@ -323,7 +329,9 @@ def _record(args) -> int:
         sys.stdout.flush()
         stream = os.fdopen(os.dup(1), "wb")
         os.dup2(2, 1)
-    scratch = tempfile.mkdtemp(prefix="sdcguard-record-")
+    # The received reference and a streamed trace live here; a killed run's is removed.
+    clean_stale(tempfile.gettempdir(), "sdcguard-record")
+    scratch = private_tmpdir("sdcguard-record", tempfile.gettempdir())
     try:
         reference = None
         if args.reference == "-":
