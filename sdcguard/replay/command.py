@@ -262,9 +262,7 @@ def _message(e: BaseException) -> str:
 
     if isinstance(e, KeyboardInterrupt):
         return "interrupted"
-    if isinstance(e, FingerprintMismatch):
-        return str(e)  # the list of differences, one per line, is the message
-    if isinstance(e, NodeError | TaskError | TraceError | ValueError):
+    if isinstance(e, FingerprintMismatch | NodeError | TaskError | TraceError | ValueError):
         return str(e).strip()
     if isinstance(e, OSError):
         where = f" {e.filename}" if e.filename else ""

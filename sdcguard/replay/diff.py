@@ -35,9 +35,9 @@ class FingerprintMismatch(ValueError):
         self.differences = differences
         super().__init__(
             "the two runs are not comparable (their differences would not be hardware "
-            "faults); fingerprints differ in:\n  "
-            + "\n  ".join(differences)
-            + "\nuse --allow-mismatch to compare anyway"
+            "faults); fingerprints differ in: "
+            + "; ".join(differences)
+            + "; use --allow-mismatch to compare anyway"
         )
 
 
