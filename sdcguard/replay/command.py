@@ -456,9 +456,9 @@ def _sites(args) -> int:
             raise ValueError(f"--match {args.match!r} matches no site or submodule of the task")
     for name in names:
         print(name)
+    what = f"--sites {args.match!r} selects" if args.match else "--sites patterns select among"
     print(
-        f"{len(names)} sites; --sites {args.match or ''} selects these {len(modules)} "
-        "submodules: " + ", ".join(modules),
+        f"{len(names)} sites; {what} these {len(modules)} submodules: " + ", ".join(modules),
         file=sys.stderr,
     )
     return EXIT_IDENTICAL
