@@ -405,7 +405,8 @@ def run_process(
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
-    return Trace(final)
+    trace.path = os.path.abspath(final)  # validated as received; only its name changed
+    return trace
 
 
 def _feed(proc: subprocess.Popen, reference: Trace) -> None:
