@@ -152,8 +152,9 @@ class GuardConfig:
       window: how many recent accepted values the statistics hold (a ring in the state).
       warmup: accepted values needed before the median/MAD check; before that, only the
         absurd is refused (``warmup_max_ratio``).
-      warmup_max_ratio: during the warm-up, a gradient norm more than this many times every
-        one seen (a loss more than ``(ratio - 1) * |max|`` above the largest) is a spike.
+      warmup_max_ratio: a gradient norm more than this many times every one in the window (a
+        loss more than ``(ratio - 1) * |max|`` above the largest) is a spike, in the warm-up
+        and after it (where a window that straddles a real change has a wide MAD).
       check_abft: refuse when the ``abft_uncorrectable`` extra argument is positive (pass
         :func:`sdcguard.abft.unsafe_checks` of the counters: uncorrectable and non-finite
         inputs).
@@ -454,8 +455,10 @@ def _spikes(statistics: jax.Array, x: jax.Array, active, config: GuardConfig) ->
             (config.warmup_max_ratio - 1.0) * jnp.abs(largest[1]),
         ]
     )
+    # Far above every value in the window: refused in the warm-up, and after it too, where a
+    # window that straddles a real change (two levels) has a wide MAD.
     absurd = (fill >= 1) & (x - largest > absurd_floor)
-    spike = jnp.where(fill >= config.warmup, steady, absurd)
+    spike = absurd | ((fill >= config.warmup) & steady)
     return spike & jnp.isfinite(x) & jnp.asarray(active)
 
 
