@@ -124,19 +124,28 @@ class ErasureCode:
                 "devices, or lower ErasureCode(tolerate=...)"
             )
         position = {device: h for h, device in enumerate(hosts)}
-        chunks: list[list[np.ndarray]] = [[] for _ in hosts]
+        # Where every piece goes first, then one copy of each straight into its host's buffer.
         sizes = [0] * n
-        layouts = []
+        plan = []
         for x in leaves:
+            itemsize = np.dtype(x.dtype).itemsize
+            rows = []
+            for host, index, source in _owned_pieces(x, position, sizes):
+                nbytes = itemsize * int(np.prod([b - a for a, b in index], dtype=np.int64))
+                rows.append((host, index, source, sizes[host], nbytes))
+                sizes[host] += nbytes
+            plan.append(rows)
+        memory = [np.empty((size,), np.uint8) for size in sizes]
+        layouts = []
+        for x, rows in zip(leaves, plan, strict=True):
+            dtype = np.dtype(x.dtype)
             pieces = []
-            for host, index, data in _owned_pieces(x, position, sizes):
-                data = np.ascontiguousarray(data)
-                raw = data.reshape(-1).view(np.uint8)
-                pieces.append(_Piece(host, index, sizes[host], raw.size, host_fingerprint(data)))
-                chunks[host].append(raw)
-                sizes[host] += raw.size
-            layouts.append(_LeafLayout(tuple(np.shape(x)), np.dtype(x.dtype), tuple(pieces)))
-        memory = [np.concatenate([*c, np.zeros((0,), np.uint8)]) for c in chunks]
+            for host, index, source, offset, nbytes in rows:
+                target = memory[host][offset : offset + nbytes]
+                target[...] = np.ascontiguousarray(np.asarray(source)).reshape(-1).view(np.uint8)
+                fingerprint = host_fingerprint(target.view(dtype))
+                pieces.append(_Piece(host, index, offset, nbytes, fingerprint))
+            layouts.append(_LeafLayout(tuple(np.shape(x)), dtype, tuple(pieces)))
         for m in memory:
             m.setflags(write=False)
         k = n - f
@@ -166,7 +175,8 @@ def _hosts(leaves) -> list[int]:
 
 
 def _owned_pieces(x, position: dict[int, int], sizes: list[int]):
-    """``(host, index, data)`` of each distinct shard of leaf ``x``, one copy each.
+    """``(host, index, data)`` of each distinct shard of leaf ``x``, one copy each (``data``
+    still on its device, or a numpy array).
 
     A shard held by several devices (a replicated leaf) is kept by the one of them with the
     fewest bytes so far (``sizes``), which keeps the hosts' memory even, and with it the
@@ -185,7 +195,7 @@ def _owned_pieces(x, position: dict[int, int], sizes: list[int]):
         holders.setdefault(index, []).append(shard)
     for index, shards in holders.items():
         shard = min(shards, key=lambda s: sizes[position[s.device.id]])
-        yield position[shard.device.id], index, np.asarray(shard.data)
+        yield position[shard.device.id], index, shard.data
 
 
 @dataclasses.dataclass(eq=False)
