@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sdcguard import training
-from sdcguard.abft import ABFTConfig
+from sdcguard.abft import ABFTConfig, Counts
 from sdcguard.inject import Fault, FaultPlan
 from sdcguard.models import ByteBatches, GPTConfig
 from sdcguard.optim import refuse_corrupted
@@ -147,7 +147,8 @@ def abft_fault_cost(args, batches) -> dict:
     fault = FaultPlan.from_faults([Fault(site=site, kind="inf", index=17, step=-1)])
     clean = FaultPlan.none()
     _, out = prot_step(prot_state, batches[0], fault)
-    detected, corrected, uncorrectable = (int(c) for c in out.counts)
+    counts = Counts(*(int(c) for c in out.counts))
+    detected, corrected, uncorrectable = counts.detected, counts.corrected, counts.uncorrectable
     if not (corrected >= 1 and uncorrectable == 0):
         raise RuntimeError(f"the injected fault was not corrected: counts {out.counts}")
 

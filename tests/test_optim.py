@@ -693,3 +693,24 @@ def test_sharded_gradients_compared_as_replicated_are_all_refused_on_8_devices()
     shard_map's type check the mix does not even trace)."""
     reasons, _ = zero_sharded_run("replicated", steps=5, spike_at=-1, use_pmap=True)
     assert all("replica_mismatch" in reason_names(r) for r in reasons)
+
+
+@needs_8
+def test_pmap_guard_state_reads_back_in_every_reader_on_8_devices():
+    tx = refuse_corrupted(optax.sgd(0.1), axis_name="data")
+    params = toy_params()
+    grads = toy_grads(0, params)
+    # Replica 5's copy of the (all-reduced) gradient has one element changed.
+    stacked = jax.tree.map(lambda g: jnp.stack([g] * 8), grads)
+    stacked["b"] = stacked["b"].at[5, 0].add(1.0)
+    states = jax.pmap(lambda _: tx.init(params))(jnp.arange(8))
+    update = jax.pmap(lambda g, s: tx.update(g, s, params)[1], axis_name="data")
+    states = update(stacked, states)
+    assert states.reason.shape == (8,) and states.odd_replica.tolist() == [5] * 8
+    assert reason_names(states.reason) == ("replica_mismatch",)
+    assert states.refused.tolist() == [1] * 8 and states.grad_norm_stats.count.shape == (8,)
+    assert describe(states) == (
+        "refused 1 of 1 updates; last update: replica_mismatch; replica 5 disagreed with the "
+        "majority (the same on 8 replicas)"
+    )
+    assert bool(optax.tree_utils.tree_get(states, "rollback_needed").any()) is False
