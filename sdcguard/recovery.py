@@ -894,6 +894,12 @@ def train_with_recovery(
             to_step,
         )
         streak.clear()
+        if "data_index" not in meta:
+            raise RecoveryError(
+                f"rolled back to the {source} of step {to_step}, but it records no data index "
+                "(a checkpoint that plain Orbax wrote): restore it yourself and call "
+                "train_with_recovery(..., start_index=...) with the data index it belongs to"
+            )
         return restored, int(meta["data_index"])
 
     def next_index(i: int) -> int:
