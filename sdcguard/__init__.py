@@ -6,7 +6,19 @@ Orbax tier), ``replay`` (deterministic record/compare), ``pallas`` (GPU kernels;
 demand), ``models`` (reference workloads), ``sites``, ``training``.
 """
 
-from sdcguard import abft, inject, linen, models, nnx, optim, recovery, replay, sites, training
+from sdcguard import (
+    abft,
+    inject,
+    linen,
+    models,
+    nnx,
+    optim,
+    recovery,
+    replay,
+    sites,
+    training,
+    triage,
+)
 from sdcguard.abft import ABFTConfig, Counts, checked_dot_general, checked_einsum
 from sdcguard.attention import dot_product_attention, protected_attention
 from sdcguard.inject import Fault, FaultPlan, faults, module_outputs
@@ -14,10 +26,12 @@ from sdcguard.optim import (
     GuardConfig,
     GuardState,
     Reason,
+    Triage,
     describe,
     find_guard_state,
     reason_names,
     refuse_corrupted,
+    reset_statistics,
     tree_fingerprint,
 )
 from sdcguard.recovery import (
@@ -29,6 +43,7 @@ from sdcguard.recovery import (
     SnapshotCorrupted,
     SnapshotRing,
     TrainState,
+    TriageEvent,
     train_with_recovery,
 )
 from sdcguard.replay import (
@@ -44,6 +59,7 @@ from sdcguard.replay import (
     tensor_metrics,
 )
 from sdcguard.sites import ATTENTION_SITES, FaultKind, site_id, site_name
+from sdcguard.triage import with_triage
 
 __version__ = "0.1.0"
 
@@ -69,6 +85,8 @@ __all__ = [
     "SnapshotCorrupted",
     "SnapshotRing",
     "TrainState",
+    "Triage",
+    "TriageEvent",
     "abft",
     "checked_dot_general",
     "checked_einsum",
@@ -92,6 +110,7 @@ __all__ = [
     "reference_task",
     "refuse_corrupted",
     "replay",
+    "reset_statistics",
     "site_id",
     "site_name",
     "sites",
@@ -99,4 +118,6 @@ __all__ = [
     "train_with_recovery",
     "training",
     "tree_fingerprint",
+    "triage",
+    "with_triage",
 ]
