@@ -29,6 +29,9 @@ took over). The all-reduced gradient is the sum of every micro-batch's gradient 
 number of replicas, so every micro-batch of the global batch counts exactly once with weight
 ``1 / replicas`` (the full-batch average; the estimates of the approximations are the only
 difference from the fault-free gradient, and ``MeCeFO.exact()`` makes the takeover exact).
+The parameters of the attention branch (:data:`ATTENTION_BRANCH`), whose gradient the
+skip-connection drops, are averaged over the micro-batches that computed it, not diluted by
+the ones that did not: an average of fewer micro-batches rather than a gradient scaled down.
 
 Quarantine comes from the update guard's cross-replica check (:mod:`sdcguard.optim`): when it
 refuses a step and names an odd replica, :class:`DegradedTrainer` computes the same step again
@@ -76,6 +79,7 @@ from sdcguard.models.gpt import MLP
 from sdcguard.optim import GuardState, Reason, reason_names, refuse_corrupted
 
 __all__ = [
+    "ATTENTION_BRANCH",
     "ROLES",
     "DegradedConfig",
     "DegradedOutput",
@@ -383,9 +387,11 @@ def _losses(config: DegradedConfig):
 def replica_work(config: DegradedConfig) -> dict[str, Callable]:
     """The work of each role on one replica: ``role -> fn(params, own, taken, key)``.
 
-    Every function returns ``(loss, grads)``: the sum of the mean losses of the micro-batches
-    it computed and the sum of their gradients. ``out`` computes nothing (zeros); ``normal``
-    its own micro-batch ``own`` exactly; ``neighbour`` ``own`` (exactly, or approximately with
+    Every function returns ``(loss, grads, attended)``: the sum of the mean losses of the
+    micro-batches it computed, the sum of their gradients, and how many of them had the
+    attention backward (float32; the others' gradients leave out the attention branch, see
+    :data:`ATTENTION_BRANCH`). ``out`` computes nothing (zeros); ``normal`` its own
+    micro-batch ``own`` exactly; ``neighbour`` ``own`` (exactly, or approximately with
     ``scope='both'``) and ``taken`` approximately. Compile one alone to count a role's cost
     (``jax.jit(fn).lower(...).compile().cost_analysis()``).
 
@@ -399,22 +405,37 @@ def replica_work(config: DegradedConfig) -> dict[str, Callable]:
     grad_exact = jax.value_and_grad(exact)
     grad_approx = jax.value_and_grad(approximate) if config.approximations.approximates else None
     grad_approx = grad_approx or grad_exact
-    own_grad = grad_approx if config.approximations.scope == "both" else grad_exact
+    approx = config.approximations
+    own_grad = grad_approx if approx.scope == "both" else grad_exact
+    # Micro-batches of the neighbour whose gradient includes the attention branch.
+    skips = approx.skip_attention
+    neighbour_attended = jnp.float32(int(not (skips and approx.scope == "both")) + int(not skips))
 
     def out(params, own, taken, key):
         del own, taken, key
-        return jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params)
+        zero = jnp.zeros((), jnp.float32)
+        return zero, jax.tree.map(jnp.zeros_like, params), zero
 
     def normal(params, own, taken, key):
         del taken
-        return grad_exact(params, own, key)
+        return (*grad_exact(params, own, key), jnp.float32(1))
 
     def neighbour(params, own, taken, key):
         loss_own, grads_own = own_grad(params, own, jax.random.fold_in(key, 0))
         loss_taken, grads_taken = grad_approx(params, taken, jax.random.fold_in(key, 1))
-        return loss_own + loss_taken, jax.tree.map(jnp.add, grads_own, grads_taken)
+        grads = jax.tree.map(jnp.add, grads_own, grads_taken)
+        return loss_own + loss_taken, grads, neighbour_attended
 
     return {"out": out, "normal": normal, "neighbour": neighbour}
+
+
+ATTENTION_BRANCH = ("attn", "ln_attn")
+"""Names, in the reference GPT's parameter tree, of the modules that only the attention branch
+uses (the attention block and its pre-LayerNorm): the skip-connection drops their gradient."""
+
+
+def _in_attention_branch(path) -> bool:
+    return any(getattr(k, "key", None) in ATTENTION_BRANCH for k in path)
 
 
 def takeover_assignment(out: jax.Array) -> jax.Array:
@@ -566,8 +587,15 @@ def make_degraded_step(
         everyone = jax.lax.all_gather(own, axis)
         taken = everyone[jnp.maximum(takes_over[me], 0)]
         key = jax.random.fold_in(base_key, local.step)
-        loss, grads = jax.lax.switch(role, branches, local.params, own, taken, key)
-        grads, loss = jax.tree.map(lambda x: jax.lax.psum(x, axis) / n, (grads, loss))
+        loss, grads, attended = jax.lax.switch(role, branches, local.params, own, taken, key)
+        loss, grads, attended = jax.lax.psum((loss, grads, attended), axis)
+        # The average over the full batch: every micro-batch once, with weight 1 / n; the
+        # attention branch's parameters over the micro-batches that computed their gradient.
+        attended = jnp.maximum(attended, 1.0)
+        grads = jax.tree_util.tree_map_with_path(
+            lambda path, g: g / (attended if _in_attention_branch(path) else n), grads
+        )
+        loss = loss / n
         # The simulated fault: this replica's copy goes wrong. An out replica does no training
         # work (its device only keeps the SPMD collectives going), so its hardware corrupts none.
         mine = (me == fault.replica) & ~out[me]

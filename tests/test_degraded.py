@@ -384,30 +384,48 @@ def test_the_mask_refuses_more_replicas_out_than_neighbours_on_8_devices(default
 
 
 @needs_8
-def test_an_exact_takeover_is_the_full_batch_gradient_on_8_devices():
-    """With the approximations off, one replica out gives the fault-free update: the average
-    is over the full batch, every micro-batch counted once."""
-    config = DegradedConfig(
-        model=GPTConfig(num_layers=1, d_model=32, num_heads=2, seq_len=16),
-        approximations=MeCeFO.exact(),
-    )
+def test_the_update_is_the_full_batch_average_on_8_devices():
+    """Replica 3 out, replica 4 computes micro-batches 4 and 3 (with the skip-connection): the
+    update is every micro-batch's gradient once, weight 1/8 (the attention branch's parameters:
+    over the 6 micro-batches that computed their gradient), each gradient computed here
+    independently."""
+    approximations = MeCeFO(recompute_ffn=False, low_rank=None)
+    small = GPTConfig(num_layers=1, d_model=32, num_heads=2, seq_len=16)
+    config = DegradedConfig(model=small, approximations=approximations)
     state, step = make_degraded_step(config, optax.sgd(1.0))
     batch = jnp.asarray(global_batches(config).batch(0)).reshape(8, config.micro_batch, -1)
+    params = replica_row(state.params, 0)
+    loss = gpt_loss(GPT(small))
 
-    def one_step(out):
-        mask = np.zeros(8, bool)
-        mask[out] = True
-        new, info = step(state, batch, mask, ReplicaFault.none())
-        delta = jax.tree.map(jnp.subtract, replica_row(new.params, 0), replica_row(state.params, 0))
-        return delta, replica_row(info.loss, 0), np.asarray(info.role)
+    def approximate(params, micro):
+        with approximately(approximations):
+            return loss(params, micro)
 
-    clean, clean_loss, roles = one_step([])
-    exact, exact_loss, exact_roles = one_step([3])
-    assert roles.tolist() == [1] * 8
-    assert exact_roles.tolist() == [1, 1, 1, 0, 2, 1, 1, 1]
-    for c, e in zip(jax.tree.leaves(clean), jax.tree.leaves(exact), strict=True):
-        assert_close(e, c, jnp.float32)
-    assert_close(exact_loss, clean_loss, jnp.float32)
+    def per_micro_batch(fn):
+        values = jax.jit(jax.vmap(fn, in_axes=(None, 0)))(params, batch)
+        return [jax.tree.map(lambda x, r=r: x[r], values) for r in range(8)]
+
+    grads = per_micro_batch(jax.grad(loss))
+    approximated = per_micro_batch(jax.grad(approximate))  # scope 'both': 4's own and 3
+    full = [grads[r] for r in (0, 1, 2, 5, 6, 7)] + [approximated[3], approximated[4]]
+    attended = 6
+
+    def expected(path, *per_micro_batch):
+        if any(getattr(k, "key", None) in ("attn", "ln_attn") for k in path):
+            return sum(per_micro_batch[:attended]) / attended
+        return sum(per_micro_batch) / 8
+
+    want = jax.tree_util.tree_map_with_path(expected, *full)
+    mask = np.zeros(8, bool)
+    mask[3] = True
+    new, info = step(state, batch, mask, ReplicaFault.none())
+    assert np.asarray(info.role).tolist() == [1, 1, 1, 0, 2, 1, 1, 1]
+    got = jax.tree.map(jnp.subtract, params, replica_row(new.params, 0))  # sgd(1): -update
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(g, w, jnp.float32)
+    # The loss is the full batch's, approximations or not (forward passes are exact).
+    want_loss = np.mean(per_micro_batch(loss))
+    assert_close(replica_row(info.loss, 0), want_loss, jnp.float32)
 
 
 @needs_8
