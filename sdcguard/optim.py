@@ -150,7 +150,8 @@ class GuardConfig:
       loss_min_ratio: the loss's counterpart of ``grad_norm_min_ratio`` (a margin of
         ``(ratio - 1) * |median|``); it also keeps an almost constant loss from turning tiny
         wiggles into huge z-scores.
-      window: how many recent accepted values the statistics hold (a ring in the state).
+      window: how many recent accepted values the statistics hold (a ring in the state); the
+        order statistics compare every pair, so the cost grows as ``window**2`` (32: ~20 us).
       warmup: accepted values needed before the median check; before that, only the
         absurd is refused (``warmup_max_ratio``).
       warmup_max_ratio: a gradient norm more than this many times every one in the window (a
