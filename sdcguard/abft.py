@@ -40,6 +40,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jax_core
+from jax.interpreters import ad, batching, mlir
 
 from sdcguard import inject
 from sdcguard.in_place import apply_if
@@ -840,17 +842,6 @@ def _gemm(st: _Static, ct: Contraction, a, b, plan, site: str, check: bool, lhs_
     return jnp.transpose(c, [stored.out.index(x) for x in ct.out]), counts
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _checked(st: _Static, a, b, plan, sink):
-    return _checked_fwd(st, a, b, plan, sink)[0]
-
-
-def _checked_fwd(st, a, b, plan, sink):
-    del sink
-    out = _gemm(st, st.contraction, a, b, plan, st.site, st.config.forward, st.lhs_nonnegative)
-    return out, (a, b, plan)
-
-
 def _checked_bwd(st, residuals, cotangents):
     a, b, plan = residuals
     g, _ = cotangents
@@ -867,7 +858,116 @@ def _checked_bwd(st, residuals, cotangents):
     return ga.astype(a.dtype), gb.astype(b.dtype), None, sink_cotangent
 
 
-_checked.defvjp(_checked_fwd, _checked_bwd)
+# Autodiff of the checked einsum. Its primal is a custom_jvp whose tangent is one primitive,
+# ``checked_einsum_tangent``: ``dC = dA·B + A·dB``, linear in ``(dA, dB, d_sink)``. Forward mode
+# (jax.jvp, jax.linearize, jacfwd) evaluates it with plain, unchecked GEMMs; reverse mode
+# transposes it, and its transpose rule is the checked backward (:func:`_checked_bwd`: the two
+# gradient GEMMs checked and injected into, their counters as the sink's cotangent). A
+# custom_vjp would give the same reverse mode but no forward mode at all.
+# Its operands: a, b, the plan's leaves, da, db, d_sink. ``levels`` records vmaps, innermost
+# first: per level, which operands carry the vmapped axis (at the front).
+
+
+def _tangent_impl(*args, st: _Static, n_plan: int, levels: tuple):
+    if levels:
+        inner = functools.partial(_tangent_impl, st=st, n_plan=n_plan, levels=levels[:-1])
+        return jax.vmap(inner, in_axes=[0 if m else None for m in levels[-1]])(*args)
+    a, b = args[:2]
+    da, db, _ = args[2 + n_plan :]
+    stored = _in_dot_order(st.contraction)
+    dc = _dot(st, stored, da, b) + _dot(st, stored, a, db)
+    return jnp.transpose(dc, [stored.out.index(x) for x in st.contraction.out])
+
+
+def _tangent_abstract(*avals, st, n_plan, levels, plan_tree):
+    del plan_tree
+    impl = functools.partial(_tangent_impl, st=st, n_plan=n_plan, levels=levels)
+    out = jax.eval_shape(impl, *avals)
+    return jax.core.ShapedArray(out.shape, out.dtype)
+
+
+def _checked_grads(st, plan_tree, levels, a, b, plan_leaves, g):
+    """``(dA, dB, sink cotangent)`` from the checked backward GEMMs, vmapped over ``levels``."""
+    if not levels:
+        plan = jax.tree_util.tree_unflatten(plan_tree, plan_leaves)
+        ga, gb, _, sink_cotangent = _checked_bwd(st, (a, b, plan), (g, None))
+        return ga, gb, sink_cotangent
+    ma, mb, *mp, mda, mdb, msink = levels[-1]
+    axes = (0 if ma else None, 0 if mb else None, [0 if m else None for m in mp], 0)
+    inner = functools.partial(_checked_grads, st, plan_tree, levels[:-1])
+    ga, gb, sink = jax.vmap(inner, in_axes=axes)(a, b, list(plan_leaves), g)
+    # A linear operand shared by the whole batch receives the sum of its per-example cotangents.
+    return (ga if mda else ga.sum(0)), (gb if mdb else gb.sum(0)), (sink if msink else sink.sum(0))
+
+
+def _tangent_transpose(cotangent, *args, st, n_plan, levels, plan_tree):
+    a, b, *rest = args
+    plan_leaves, (da, db, d_sink) = rest[:n_plan], rest[n_plan:]
+    if type(cotangent) is ad.Zero:
+        cotangent = ad.instantiate_zeros(cotangent)
+    ga, gb, sink = _checked_grads(st, plan_tree, levels, a, b, plan_leaves, cotangent)
+    return [
+        *([None] * (2 + n_plan)),
+        ga.astype(da.aval.dtype) if ad.is_undefined_primal(da) else None,
+        gb.astype(db.aval.dtype) if ad.is_undefined_primal(db) else None,
+        sink if ad.is_undefined_primal(d_sink) else None,
+    ]
+
+
+def _tangent_jvp(primals, tangents, *, st, n_plan, levels, plan_tree):
+    a, b, *rest = primals
+    plan_leaves, (da, db, d_sink) = rest[:n_plan], rest[n_plan:]
+    ta, tb, *t_rest = (ad.instantiate_zeros(t) for t in tangents)
+    tda, tdb, t_sink = t_rest[n_plan:]
+    params = dict(st=st, n_plan=n_plan, levels=levels, plan_tree=plan_tree)
+    out = _tangent_p.bind(*primals, **params)
+    # Bilinear: d(dA·B + A·dB) = (tdA·B + A·tdB) + (tA·dB + dA·tB), both transposable.
+    swapped = tuple((m[3], m[4], *m[2 : 2 + n_plan], m[0], m[1], m[-1]) for m in levels)
+    tangent = _tangent_p.bind(a, b, *plan_leaves, tda, tdb, t_sink, **params)
+    tangent = tangent + _tangent_p.bind(
+        da, db, *plan_leaves, ta, tb, jnp.zeros_like(d_sink), **dict(params, levels=swapped)
+    )
+    return out, tangent
+
+
+def _tangent_batch(args, dims, *, levels, **params):
+    args = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims, strict=True)]
+    level = tuple(d is not None for d in dims)
+    return _tangent_p.bind(*args, levels=(*levels, level), **params), 0
+
+
+def _tangent_eval(*args, plan_tree, **params):
+    del plan_tree
+    return _tangent_impl(*args, **params)
+
+
+_tangent_p = jax_core.Primitive("checked_einsum_tangent")
+_tangent_p.def_impl(_tangent_eval)
+_tangent_p.def_abstract_eval(_tangent_abstract)
+mlir.register_lowering(_tangent_p, mlir.lower_fun(_tangent_eval, multiple_results=False))
+ad.primitive_jvps[_tangent_p] = _tangent_jvp
+ad.primitive_transposes[_tangent_p] = _tangent_transpose
+batching.primitive_batchers[_tangent_p] = _tangent_batch
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _checked(st: _Static, a, b, plan, sink):
+    del sink
+    return _gemm(st, st.contraction, a, b, plan, st.site, st.config.forward, st.lhs_nonnegative)
+
+
+@_checked.defjvp
+def _checked_jvp(st, primals, tangents):
+    a, b, plan, sink = primals
+    da, db, _, d_sink = tangents
+    # The primal through _checked itself, so that differentiating this rule again (grad of a
+    # jvp) meets the custom_jvp, not the repair loop.
+    out = _checked(st, a, b, plan, sink)
+    leaves, plan_tree = jax.tree_util.tree_flatten(plan)
+    tangent = _tangent_p.bind(
+        a, b, *leaves, da, db, d_sink, st=st, n_plan=len(leaves), levels=(), plan_tree=plan_tree
+    )
+    return out, (tangent, np.zeros(out[1].shape, jax.dtypes.float0))
 
 
 def zero_sink() -> jax.Array:
@@ -920,6 +1020,10 @@ def checked_einsum(
     lhs_nonnegative: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``jnp.einsum(spec, a, b)`` protected by checksums, forward and backward.
+
+    Under ``jax.grad``/``jax.vjp`` the two gradient GEMMs are checked too. Forward-mode autodiff
+    (``jax.jvp``, ``jax.linearize``, ``jax.jacfwd``) works: the output is checked, its tangent
+    is computed with plain (unchecked) GEMMs.
 
     Args:
       spec: a two-operand pure contraction, e.g. ``'...qhd,...khd->...hqk'``.
