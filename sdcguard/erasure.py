@@ -16,7 +16,8 @@ two blocks on one host, so ``f`` lost hosts cost each stripe at most ``f`` of it
 What a host owns: for each ``jax.Array`` leaf, the shards on its device; a shard that several
 devices hold (a replicated leaf) is kept once, by the one of them with the least snapshot
 memory so far, and so are host-side leaves (numpy, Python scalars). The layout record
-(shapes, where each piece lies, one fingerprint per piece) is small and kept by every host.
+(shapes, where each piece lies, one fingerprint of each host's bytes) is small and kept by
+every host.
 
 In this one-machine simulation each device of the state's shardings is a host, and a host's
 memory is a pair of numpy buffers of this process: :meth:`CodedSnapshot.lose` drops them, and
@@ -78,7 +79,6 @@ class _Piece(NamedTuple):
     index: tuple[tuple[int, int], ...]  # (start, stop) per dimension of the leaf
     offset: int
     nbytes: int
-    fingerprint: np.ndarray  # uint32 [2], host_fingerprint of the piece
 
 
 class _LeafLayout(NamedTuple):
@@ -143,8 +143,7 @@ class ErasureCode:
             for host, index, source, offset, nbytes in rows:
                 target = memory[host][offset : offset + nbytes]
                 target[...] = np.ascontiguousarray(np.asarray(source)).reshape(-1).view(np.uint8)
-                fingerprint = host_fingerprint(target.view(dtype))
-                pieces.append(_Piece(host, index, offset, nbytes, fingerprint))
+                pieces.append(_Piece(host, index, offset, nbytes))
             layouts.append(_LeafLayout(tuple(np.shape(x)), dtype, tuple(pieces)))
         for m in memory:
             m.setflags(write=False)
@@ -160,9 +159,19 @@ class ErasureCode:
             _recipes=tuple(recipes),
             _treedef=treedef,
             _memory=[HostMemory(m, np.zeros((0, chunk), np.uint8)) for m in memory],
+            _fingerprints=tuple(_bytes_fingerprint(m) for m in memory),
         )
         snapshot._encode_parity()
         return snapshot
+
+
+def _bytes_fingerprint(data: np.ndarray) -> np.ndarray:
+    """uint32 ``[4]``: :func:`~sdcguard.recovery.host_fingerprint` of a host's bytes, read as
+    32-bit words, and of the last ``len % 4`` bytes. One pass over a host's memory."""
+    words = data.size // 4 * 4
+    return np.concatenate(
+        [host_fingerprint(data[:words].view(np.uint32)), host_fingerprint(data[words:])]
+    )
 
 
 def _hosts(leaves) -> list[int]:
@@ -222,6 +231,7 @@ class CodedSnapshot:
     _recipes: tuple[_Leaf, ...]
     _treedef: Any
     _memory: list[HostMemory | None]
+    _fingerprints: tuple[np.ndarray, ...]  # of each host's data bytes, taken when copied
 
     # --- layout ---
 
@@ -340,7 +350,7 @@ class CodedSnapshot:
         rebuilt = self._rebuild_lost()
         if not rebuilt:
             return
-        self._leaves(rebuilt)  # verify before trusting the rebuilt bytes
+        self._check(rebuilt)  # before trusting the rebuilt bytes
         for h, data in rebuilt.items():
             data.setflags(write=False)
             self._memory[h] = HostMemory(data, np.zeros((self.tolerate, self.chunk), np.uint8))
@@ -354,39 +364,47 @@ class CodedSnapshot:
         return _paths(self._treedef)
 
     def _leaves(self, rebuilt: dict[int, np.ndarray]) -> list[np.ndarray]:
-        """Every leaf as a host array, assembled from its pieces, each verified.
-
-        Kept pieces are checked before rebuilt ones: a corrupt surviving host also spoils what
-        is decoded with its bytes, and the error should name the host at fault.
-        """
+        """Every leaf as a host array, assembled from its pieces, after verifying every host."""
+        self._check(rebuilt)
         leaves = [np.empty(layout.shape, layout.dtype) for layout in self._layouts]
-        for rebuilt_pass in (False, True):
-            for i, layout in enumerate(self._layouts):
-                for piece in layout.pieces:
-                    if (piece.host in rebuilt) != rebuilt_pass:
-                        continue
-                    data = self._data_of(piece.host, rebuilt)
-                    shape = tuple(stop - start for start, stop in piece.index)
-                    raw = data[piece.offset : piece.offset + piece.nbytes]
-                    value = raw.view(layout.dtype).reshape(shape)
-                    if not np.array_equal(host_fingerprint(value), piece.fingerprint):
-                        raise self._corrupt(i, piece, rebuilt_pass)
-                    leaves[i][tuple(slice(a, b) for a, b in piece.index)] = value
+        for leaf, layout in zip(leaves, self._layouts, strict=True):
+            for piece in layout.pieces:
+                raw = self._data_of(piece.host, rebuilt)[piece.offset : piece.offset + piece.nbytes]
+                shape = tuple(stop - start for start, stop in piece.index)
+                leaf[tuple(slice(a, b) for a, b in piece.index)] = raw.view(layout.dtype).reshape(
+                    shape
+                )
         return leaves
 
-    def _corrupt(self, leaf: int, piece: _Piece, rebuilt: bool) -> SnapshotCorrupted:
+    def _check(self, rebuilt: dict[int, np.ndarray]) -> None:
+        """Every host's bytes against their fingerprint, kept ones first: a corrupt surviving
+        host also spoils what is decoded with its bytes, and the error names the host at
+        fault."""
+        for host in sorted(range(self.n), key=lambda h: h in rebuilt):
+            data = self._data_of(host, rebuilt)
+            if not np.array_equal(_bytes_fingerprint(data), self._fingerprints[host]):
+                raise self._corrupt(host, host in rebuilt)
+
+    def _corrupt(self, host: int, rebuilt: bool) -> SnapshotCorrupted:
         how = "rebuilt from parity" if rebuilt else "kept"
+        paths = self.paths
+        held = [
+            paths[i]
+            for i, layout in enumerate(self._layouts)
+            if any(p.host == host for p in layout.pieces)
+        ]
+        listed = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
         return SnapshotCorrupted(
-            f"erasure-coded snapshot of step {self.step}: leaf {self.paths[leaf]}, the piece "
-            f"{how} by host {piece.host} (device {self.hosts[piece.host]}), does not match its "
+            f"erasure-coded snapshot of step {self.step}: the bytes {how} by host {host} "
+            f"(device {self.hosts[host]}; pieces of {listed or 'no leaf'}) do not match their "
             "fingerprint (host memory corruption, or corrupt parity). Restore an older "
             f"snapshot (SnapshotRing.restore(at_most={self.step - 1})) or an Orbax checkpoint."
         )
 
     def verify(self) -> None:
-        """Raises :class:`SnapshotCorrupted` naming the first piece whose bits changed (lost
-        hosts' pieces are rebuilt and checked too), or :class:`SnapshotLost`."""
-        self._leaves(self._rebuild_lost())
+        """Raises :class:`SnapshotCorrupted` naming the host whose bytes changed (lost hosts'
+        bytes are rebuilt and checked too), or :class:`SnapshotLost`."""
+        self._check(self._rebuild_lost())
 
     def restore(self):
         """The train state, bit-exact, on the shardings it had when taken.
@@ -396,7 +414,7 @@ class CodedSnapshot:
 
         Raises:
           SnapshotLost: more hosts lost than ``tolerate``.
-          SnapshotCorrupted: a piece does not match its fingerprint.
+          SnapshotCorrupted: a host's bytes (kept or rebuilt) do not match their fingerprint.
         """
         leaves = self._leaves(self._rebuild_lost())
         rebuilt = [_rebuild(r, x) for r, x in zip(self._recipes, leaves, strict=True)]
