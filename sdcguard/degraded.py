@@ -698,7 +698,8 @@ class DegradedTrainer:
     one global batch; when the guard refuses it and names an odd replica, the step is computed
     again from the same state, and if the same replica disagrees again it is quarantined and
     the step computed without it (three computations of that one step; the event is in the
-    report). Nothing is recompiled by any of this.
+    report). Nothing is recompiled by any of this. Each step reads the guard's verdict (two
+    small integers) on the host, so the next step is dispatched after this one finished.
 
     Args:
       config: the run.
