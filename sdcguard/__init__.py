@@ -17,9 +17,10 @@ from sdcguard import (
     replay,
     sites,
     training,
+    transform,
     triage,
 )
-from sdcguard.abft import ABFTConfig, Counts, checked_dot_general, checked_einsum
+from sdcguard.abft import ABFTConfig, Counts, checked_dot_general, checked_einsum, unsafe_checks
 from sdcguard.attention import dot_product_attention, protected_attention
 from sdcguard.inject import Fault, FaultPlan, faults, module_outputs
 from sdcguard.optim import (
@@ -59,6 +60,7 @@ from sdcguard.replay import (
     tensor_metrics,
 )
 from sdcguard.sites import ATTENTION_SITES, FaultKind, site_id, site_name
+from sdcguard.transform import GemmSite, checked, list_sites
 from sdcguard.triage import with_triage
 
 __version__ = "0.1.0"
@@ -74,6 +76,7 @@ __all__ = [
     "Fault",
     "FaultKind",
     "FaultPlan",
+    "GemmSite",
     "GuardConfig",
     "GuardState",
     "Reason",
@@ -88,6 +91,7 @@ __all__ = [
     "Triage",
     "TriageEvent",
     "abft",
+    "checked",
     "checked_dot_general",
     "checked_einsum",
     "compare_nodes",
@@ -97,6 +101,7 @@ __all__ = [
     "find_guard_state",
     "inject",
     "linen",
+    "list_sites",
     "load_task",
     "models",
     "module_outputs",
@@ -117,7 +122,9 @@ __all__ = [
     "tensor_metrics",
     "train_with_recovery",
     "training",
+    "transform",
     "tree_fingerprint",
     "triage",
+    "unsafe_checks",
     "with_triage",
 ]

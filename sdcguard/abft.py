@@ -545,7 +545,10 @@ def repair_if(flagged: jax.Array, repair, x: jax.Array) -> tuple[jax.Array, jax.
     Returns:
       ``(x or x_repaired, int32 [detected, corrected, uncorrectable, nonfinite_input])``.
     """
-    return apply_if(flagged, lambda checked: repair(checked[0]), (x, zero_counts()))
+    # Zero counts typed like the flag (varying across devices inside shard_map, as the counts
+    # the repair computes from the device's own data are), so the loop's carry keeps its type.
+    zeros = zero_counts() + jnp.zeros_like(flagged, jnp.int32)
+    return apply_if(flagged, lambda checked: repair(checked[0]), (x, zeros))
 
 
 def check_contraction(

@@ -37,8 +37,10 @@ def apply_if(flag: jax.Array, fn: Callable[[T], T], x: T) -> T:
     """
 
     def once(carry):
-        _, x = carry
-        return jnp.zeros((), jnp.bool_), fn(x)
+        flag, x = carry
+        # False computed from the flag, not a constant: inside shard_map a flag computed from a
+        # device's own data is typed as varying across devices, and the carry keeps its type.
+        return jnp.logical_and(flag, False), fn(x)
 
     _, out = jax.lax.while_loop(lambda carry: carry[0], once, (flag, x))
     return out

@@ -1,0 +1,655 @@
+"""``sdcguard.checked``: every GEMM of any JAX function, forward and backward, under ABFT.
+
+``checked(fn)`` traces ``fn`` to a jaxpr and evaluates it again with every floating-point
+``dot_general`` replaced by the same GEMM followed by its checksum check (detect, locate,
+correct: :func:`sdcguard.abft.check_contraction`). It works on the program, not on the model
+code, so it reaches every GEMM whatever wrote it (Flax linen or NNX, Equinox, plain ``jnp``),
+inside ``jit``, ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp`` bodies
+and ``shard_map``; and when ``fn`` is a training step that calls ``jax.grad``, the backward
+GEMMs that ``grad`` produced are ``dot_general`` s of the same program and are checked too.
+
+Each GEMM is a *site*, named by where it is in the model: the module path that Flax and
+``jax.named_scope`` leave in the program (``Model/decoder/block_0/mlp/Dense_0:dot_general``), or,
+for code without scopes, the Python call path (``loss/Block.__call__/MLP.__call__/...``); the
+two gradient GEMMs of a forward GEMM carry its name with ``.grad_lhs`` / ``.grad_rhs``.
+:func:`list_sites` lists them; ``ABFTConfig(include=..., exclude=...)`` selects them by glob.
+
+Example:
+  >>> step = sdcguard.checked(train_step)               # same arguments as train_step
+  >>> (state, metrics), report = jax.jit(step)(state, batch)
+  >>> report["Model/decoder/block_0/mlp/Dense_0:dot_general.grad_rhs"]   # int32 [4]
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import fnmatch
+import functools
+import os
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import source_info_util
+from jax.extend import core as jex_core
+
+from sdcguard import abft, inject
+from sdcguard.abft import NUM_COUNTERS, ABFTConfig
+from sdcguard.in_place import apply_if
+
+__all__ = ["GemmSite", "checked", "list_sites", "total"]
+
+Report = dict[str, jax.Array]
+
+_THIS_FILE = os.path.abspath(__file__)
+_WRAPPED = re.compile(r"^[A-Za-z_][\w.]*\((.*)\)$")
+# Name-stack components that say how a value was computed, not where in the model it is.
+_NOT_A_PLACE = {"rematted_computation", "checkpoint", "remat", "<lambda>"}
+_FLOAT_KINDS = {"f"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GemmSite:
+    """One ``dot_general`` of the program.
+
+    Attributes:
+      name: the site name (what fault plans and the report use).
+      direction: ``'forward'``, ``'grad_lhs'`` or ``'grad_rhs'``.
+      lhs_shape, rhs_shape, out_shape: the GEMM's shapes.
+      dtype: the operands' dtype.
+      checked: whether ``checked`` verifies it (floating point, selected by the config).
+      why_unchecked: ``''`` when checked, else the reason (``'int8 operands'``, ``'excluded'``).
+    """
+
+    name: str
+    direction: str
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    dtype: str
+    checked: bool
+    why_unchecked: str
+
+
+# --- Naming the GEMMs of a program --------------------------------------------------------------
+
+
+def _clean_scope(name_stack: str) -> tuple[str, str | None, bool]:
+    """``(scope, einsum_spec, is_backward)`` from a name stack like
+    ``transpose(jvp(GPT))/decoder/block_0/attn/...qhd,...khd->...hqk``."""
+    backward = "transpose(" in name_stack
+    parts, spec = [], None
+    for part in name_stack.split("/") if name_stack else []:
+        while (m := _WRAPPED.match(part)) is not None:
+            part = m.group(1)
+        if "->" in part:
+            spec = part
+        elif part and part not in _NOT_A_PLACE:
+            parts.append(part)
+    return "/".join(parts), spec, backward
+
+
+def _is_path(scope: str) -> bool:
+    # Equinox names each module call by its class (``eqx.nn.Linear``): a kind, not a place.
+    return bool(scope) and ("/" in scope or "." not in scope)
+
+
+def _user_frames(eqn) -> list:
+    """The Python frames of the code ``fn`` ran, outermost first, below ``fn`` itself."""
+    tb = eqn.source_info.traceback
+    frames = list(source_info_util.user_frames(tb))[::-1] if tb is not None else []
+    ours = [i for i, f in enumerate(frames) if os.path.abspath(f.file_name) == _THIS_FILE]
+    if ours:
+        frames = frames[ours[-1] + 2 :]  # drop the tracing frames and fn's own frame
+    return frames
+
+
+class _Gemm:
+    """One dot_general equation seen while naming."""
+
+    def __init__(self, eqn, name_stack: str):
+        self.eqn = eqn
+        scope, self.spec, self.backward = _clean_scope(name_stack)
+        # The backward pass's recomputation of a GEMM under jax.checkpoint / remat.
+        self.in_remat = "rematted_computation" in name_stack and not self.backward
+        frames = _user_frames(eqn)
+        self.key = (scope, tuple((f.file_name, f.start_line) for f in frames))
+        # A function's own name, without the functions it is nested in (``f.<locals>.g``: g).
+        names = [f.function_name.rsplit("<locals>.", 1)[-1] for f in frames]
+        if len(frames) == 1:
+            # Bodies of scan, while and checkpoint keep only their innermost frame: its lexical
+            # nesting (``loss.<locals>.layer``: ``loss/layer``) is what is left of the path.
+            names = frames[0].function_name.split(".<locals>.")
+        if _is_path(scope):
+            where = scope
+            inner = names[-1].rsplit(".", 1)[-1] if names else ""
+            what = inner if inner and inner not in ("__call__", "<lambda>") else "dot_general"
+        else:
+            where = "/".join(names) or scope or "fn"
+            what = "dot_general"
+        self.base = f"{where}:{what}"
+        lhs, rhs = eqn.invars[:2]
+        self.lhs_shape, self.rhs_shape = tuple(lhs.aval.shape), tuple(rhs.aval.shape)
+        self.out_shape = tuple(eqn.outvars[0].aval.shape)
+        self.dtype = jnp.dtype(lhs.aval.dtype)
+
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        items = value if isinstance(value, tuple | list) else (value,)
+        for item in items:
+            if isinstance(item, jex_core.ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, jex_core.Jaxpr):
+                yield item
+
+
+def _collect(jaxpr, outer: str = "") -> list[_Gemm]:
+    """Every dot_general of ``jaxpr`` and its sub-jaxprs, in program order.
+
+    ``outer`` is the name stack of the equations that hold ``jaxpr``: the body of a scan keeps
+    only its own names, and that it runs in the backward pass (``transpose(...)``) is said by
+    the scan equation around it.
+    """
+    found = []
+    for eqn in jaxpr.eqns:
+        stack = "/".join(p for p in (outer, str(eqn.source_info.name_stack)) if p)
+        if eqn.primitive.name == "dot_general":
+            found.append(_Gemm(eqn, stack))
+        for sub in _sub_jaxprs(eqn):
+            found += _collect(sub, stack)
+    return found
+
+
+def _grad_side(gemm: _Gemm, forwards: list[_Gemm]) -> tuple[_Gemm | None, str]:
+    """The forward GEMM a backward GEMM differentiates, and which operand's gradient it is.
+
+    ``dA = g·Bᵀ`` reads B and ``dB = Aᵀ·g`` reads A: the very variables of the forward GEMM
+    when nothing was rematerialised. Otherwise the output shape tells, when lhs and rhs differ.
+    """
+    operands = set(map(id, gemm.eqn.invars[:2]))
+    for fwd in forwards:
+        lhs, rhs = map(id, fwd.eqn.invars[:2])
+        if rhs in operands and lhs not in operands:
+            return fwd, "grad_lhs"
+        if lhs in operands and rhs not in operands:
+            return fwd, "grad_rhs"
+    out = sorted(gemm.out_shape)
+    for fwd in forwards:
+        lhs, rhs = sorted(fwd.lhs_shape), sorted(fwd.rhs_shape)
+        if out == lhs != rhs:
+            return None, "grad_lhs"
+        if out == rhs != lhs:
+            return None, "grad_rhs"
+    return None, ""
+
+
+def _name_gemms(jaxpr) -> dict[int, tuple[str, str]]:
+    """``id(eqn) -> (site name, direction)`` for every dot_general of ``jaxpr``, nested ones too.
+
+    Forward GEMMs are named by place and call site, with ``_1``, ``_2``, ... in program order
+    where several share a base name (a layer object called in a Python loop). A recomputation
+    under remat takes the name of the forward GEMM it recomputes (the backward pass recomputes
+    in reverse order), so a fault at that site reaches both. A backward GEMM is named after the
+    forward GEMM it differentiates, with ``.grad_lhs`` / ``.grad_rhs``.
+    """
+    gemms = _collect(jaxpr)
+    forward_by_key: dict[tuple, list[_Gemm]] = collections.defaultdict(list)
+    name_of: dict[int, str] = {}
+    used: collections.Counter = collections.Counter()
+    for g in gemms:
+        if g.backward or g.in_remat:
+            continue
+        forward_by_key[g.key].append(g)
+        n = used[g.base]
+        used[g.base] += 1
+        name_of[id(g)] = g.base if n == 0 else f"{g.base}_{n}"
+    names: dict[int, tuple[str, str]] = {}
+    recomputed: collections.Counter = collections.Counter()
+    backward_seen: collections.Counter = collections.Counter()
+    for g in gemms:
+        forwards = forward_by_key.get(g.key, [])
+        if not g.backward and not g.in_remat:
+            names[id(g.eqn)] = (name_of[id(g)], "forward")
+        elif not forwards:  # a GEMM of a backward rule or of remat alone: a site of its own
+            n = used[g.base]
+            used[g.base] += 1
+            names[id(g.eqn)] = (g.base if n == 0 else f"{g.base}_{n}", "forward")
+        elif not g.backward:
+            k = recomputed[g.key]
+            recomputed[g.key] += 1
+            names[id(g.eqn)] = (name_of[id(forwards[-1 - k % len(forwards)])], "forward")
+        else:
+            fwd, side = _grad_side(g, forwards)
+            k = backward_seen[g.key]
+            backward_seen[g.key] += 1
+            if fwd is None:  # two gradient GEMMs per forward one, last layer first
+                fwd = forwards[-1 - (k // 2) % len(forwards)]
+            if not side:  # square operands, rematerialised: JAX transposes the rhs first
+                side = ("grad_rhs", "grad_lhs")[k % 2]
+            names[id(g.eqn)] = (f"{name_of[id(fwd)]}.{side}", side)
+    return names
+
+
+def _selected(name: str, config: ABFTConfig) -> bool:
+    included = any(fnmatch.fnmatchcase(name, p) for p in config.include)
+    return included and not any(fnmatch.fnmatchcase(name, p) for p in config.exclude)
+
+
+def _why_unchecked(dtype, name: str, config: ABFTConfig) -> str:
+    dtype = jnp.dtype(dtype)
+    if dtype.kind not in _FLOAT_KINDS or dtype.itemsize < 2:
+        return f"{dtype.name} operands"  # integer and fp8 GEMMs pass through
+    if not _selected(name, config):
+        return "excluded"
+    return ""
+
+
+def _site_table(jaxpr, config: ABFTConfig) -> tuple[dict[int, tuple[str, str]], list[GemmSite]]:
+    names = _name_gemms(jaxpr)
+    sites: dict[str, GemmSite] = {}
+    for g in _collect(jaxpr):
+        name, direction = names[id(g.eqn)]
+        why = _why_unchecked(g.dtype, name, config)
+        sites.setdefault(
+            name,
+            GemmSite(
+                name=name,
+                direction=direction,
+                lhs_shape=g.lhs_shape,
+                rhs_shape=g.rhs_shape,
+                out_shape=g.out_shape,
+                dtype=g.dtype.name,
+                checked=not why,
+                why_unchecked=why,
+            ),
+        )
+    return names, list(sites.values())
+
+
+# --- Evaluating the program with checked GEMMs --------------------------------------------------
+
+
+def _zeros() -> jax.Array:
+    return jnp.zeros((NUM_COUNTERS,), jnp.int32)
+
+
+def _varying(x: jax.Array, axes: frozenset) -> jax.Array:
+    """``x`` typed as varying over the manual ``axes`` of an enclosing ``shard_map``.
+
+    Counters computed from a device's own data vary across devices; a loop carry that holds
+    them must be typed so from its first value on (``check_vma``).
+    """
+    mat = getattr(jax.typeof(x), "mat", None)
+    missing = tuple(sorted(axes - (mat.varying if mat is not None else frozenset())))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _add(total: dict, more: dict) -> dict:
+    out = dict(total)
+    for site, c in more.items():
+        out[site] = out[site] + c if site in out else c
+    return out
+
+
+class _Evaluator:
+    """Evaluates jaxprs with every selected dot_general checked, returning the counters."""
+
+    def __init__(self, names: dict[int, tuple[str, str]], config: ABFTConfig):
+        self.names = names
+        self.config = config
+        self.unchecked_primitives: set[str] = set()
+        self.per_device: set[str] = set()  # sites whose counters are rows per device
+        self.manual_axes: frozenset = frozenset()  # of the shard_map being evaluated
+
+    def zeros(self) -> jax.Array:
+        """Counters to start a loop's carry with, typed as the loop's counts will be."""
+        return _varying(_zeros(), self.manual_axes)
+
+    def counts_of(self, counts: dict, sites: list[str]) -> list[jax.Array]:
+        """``counts`` of ``sites`` in order (zeros where a site did not run), carry-typed."""
+        return [_varying(counts.get(s, _zeros()), self.manual_axes) for s in sites]
+
+    def sites_in(self, jaxpr) -> list[str]:
+        """The checked sites of ``jaxpr`` and everything nested in it, in a fixed order."""
+        out = []
+        for g in _collect(jaxpr):
+            name, _ = self.names[id(g.eqn)]
+            if not _why_unchecked(g.dtype, name, self.config) and name not in out:
+                out.append(name)
+        return out
+
+    def run(self, jaxpr, consts: Sequence, args: Sequence) -> tuple[list, dict]:
+        env: dict = {}
+
+        def read(v):
+            return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+        def write(v, x):
+            if not isinstance(v, jex_core.DropVar):
+                env[v] = x
+
+        for v, x in zip(jaxpr.constvars, consts, strict=True):
+            write(v, x)
+        for v, x in zip(jaxpr.invars, args, strict=True):
+            write(v, x)
+        counts: dict = {}
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            place = source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+            with place, eqn.ctx.manager:
+                outs, eqn_counts = self.eqn(eqn, invals)
+            counts = _add(counts, eqn_counts)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+            for v, x in zip(eqn.outvars, outs, strict=True):
+                write(v, x)
+        return [read(v) for v in jaxpr.outvars], counts
+
+    def eqn(self, eqn, invals):
+        rule = getattr(self, "_" + eqn.primitive.name, None)
+        if rule is not None:
+            return rule(eqn, invals)
+        if any(True for _ in _sub_jaxprs(eqn)):
+            # A higher-order primitive this transform does not open: its GEMMs run unchecked
+            # (list_sites reports them).
+            self.unchecked_primitives.add(eqn.primitive.name)
+        return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params)), {}
+
+    # dot_general: the GEMM, its injection point and its check.
+    def _dot_general(self, eqn, invals):
+        name, _ = self.names[id(eqn)]
+        lhs, rhs = invals
+        why = _why_unchecked(eqn.invars[0].aval.dtype, name, self.config)
+        params = eqn.primitive.get_bind_params(eqn.params)
+        if why:
+            return eqn.primitive.bind(lhs, rhs, **params), {}
+        # One stored value of each operand for the GEMM and its checksums (see abft._as_stored).
+        lhs, rhs = abft._as_stored(lhs), abft._as_stored(rhs)
+        out = eqn.primitive.bind(lhs, rhs, **params)
+        out = inject.apply(out, inject.active_plan(like=out), name)
+        spec = abft.dot_general_to_einsum(lhs.ndim, rhs.ndim, params["dimension_numbers"])
+        contraction = abft.Contraction.parse(spec, lhs.ndim, rhs.ndim)
+        out, counts = abft.check_contraction(
+            out, lhs, rhs, contraction, config=self.config, precision=params.get("precision")
+        )
+        return out, {name: counts}
+
+    # Calls whose bodies are evaluated in line.
+    def _inline(self, eqn, invals, closed):
+        return self.run(closed.jaxpr, closed.consts, invals)
+
+    def _pjit(self, eqn, invals):
+        return self._inline(eqn, invals, eqn.params["jaxpr"])
+
+    def _closed_call(self, eqn, invals):
+        return self._inline(eqn, invals, eqn.params["call_jaxpr"])
+
+    def _custom_jvp_call(self, eqn, invals):
+        # The step is already differentiated where it needed to be: the primal body is what runs.
+        return self._inline(eqn, invals, eqn.params["call_jaxpr"])
+
+    def _custom_vjp_call(self, eqn, invals):
+        return self._inline(eqn, invals, eqn.params["call_jaxpr"])
+
+    def _remat2(self, eqn, invals):
+        jaxpr = eqn.params["jaxpr"]
+        sites = self.sites_in(jaxpr)
+
+        def body(*args):
+            outs, counts = self.run(jaxpr, (), args)
+            return outs, self.counts_of(counts, sites)
+
+        rematted = jax.checkpoint(
+            body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
+        )
+        outs, counts = rematted(*invals)
+        return outs, dict(zip(sites, counts, strict=True))
+
+    def _scan(self, eqn, invals):
+        p = eqn.params
+        closed, n_consts, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
+        consts, carry, xs = (
+            invals[:n_consts],
+            invals[n_consts : n_consts + n_carry],
+            invals[n_consts + n_carry :],
+        )
+        sites = self.sites_in(closed.jaxpr)
+        per_iteration = self.config.per_iteration
+
+        def body(state, x):
+            carry, totals = state
+            outs, counts = self.run(closed.jaxpr, closed.consts, [*consts, *carry, *x])
+            step = self.counts_of(counts, sites)
+            if per_iteration:
+                return (outs[:n_carry], totals), (outs[n_carry:], step)
+            totals = [t + c for t, c in zip(totals, step, strict=True)]
+            return (outs[:n_carry], totals), (outs[n_carry:], [])
+
+        (carry, totals), (ys, per_step) = jax.lax.scan(
+            body,
+            (list(carry), [self.zeros() for _ in sites]),
+            list(xs),
+            length=p["length"],
+            reverse=p["reverse"],
+            unroll=p["unroll"],
+        )
+        counts = per_step if per_iteration else totals
+        return [*carry, *ys], dict(zip(sites, counts, strict=True))
+
+    def _while(self, eqn, invals):
+        p = eqn.params
+        cond, body_jaxpr = p["cond_jaxpr"], p["body_jaxpr"]
+        n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+        cond_consts, body_consts = invals[:n_cond], invals[n_cond : n_cond + n_body]
+        carry = invals[n_cond + n_body :]
+        sites = self.sites_in(body_jaxpr.jaxpr)
+
+        def cond_fun(state):
+            # A GEMM in a loop condition is evaluated unchecked (its counters could not leave).
+            return jax.core.eval_jaxpr(cond.jaxpr, cond.consts, *cond_consts, *state[0])[0]
+
+        def body_fun(state):
+            carry, totals = state
+            outs, counts = self.run(body_jaxpr.jaxpr, body_jaxpr.consts, [*body_consts, *carry])
+            step = self.counts_of(counts, sites)
+            return outs, [t + c for t, c in zip(totals, step, strict=True)]
+
+        carry, totals = jax.lax.while_loop(
+            cond_fun, body_fun, (list(carry), [self.zeros() for _ in sites])
+        )
+        return carry, dict(zip(sites, totals, strict=True))
+
+    def _cond(self, eqn, invals):
+        branches = eqn.params["branches"]
+        index, operands = invals[0], invals[1:]
+        sites = []
+        for branch in branches:
+            sites += [s for s in self.sites_in(branch.jaxpr) if s not in sites]
+
+        def as_function(branch):
+            def run_branch(*ops):
+                outs, counts = self.run(branch.jaxpr, branch.consts, ops)
+                return outs, self.counts_of(counts, sites)
+
+            return run_branch
+
+        outs, counts = jax.lax.switch(index, [as_function(b) for b in branches], *operands)
+        return outs, dict(zip(sites, counts, strict=True))
+
+    def _shard_map(self, eqn, invals):
+        p = eqn.params
+        jaxpr, mesh = p["jaxpr"], p["mesh"]
+        sites = self.sites_in(jaxpr)
+        manual = tuple(n for n in mesh.axis_names if n in p["newly_manual_axes"])
+        # Counters stay on the device that computed them: one row per device, summed once, with
+        # every other counter of the step, when the report is formed.
+        row = jax.sharding.PartitionSpec(manual)
+
+        def body(*args):
+            outer, self.manual_axes = self.manual_axes, self.manual_axes | set(manual)
+            try:
+                outs, counts = self.run(jaxpr, (), args)
+                return outs, [c[None] for c in self.counts_of(counts, sites)]
+            finally:
+                self.manual_axes = outer
+
+        mapped = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=tuple(p["in_specs"]),
+            out_specs=(list(p["out_specs"]), [row] * len(sites)),
+            check_vma=p["check_vma"],
+            axis_names=set(p["newly_manual_axes"]),
+        )
+        outs, counts = mapped(*invals)
+        self.per_device.update(sites)
+        return outs, dict(zip(sites, counts, strict=True))
+
+
+# --- The transformation --------------------------------------------------------------------------
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic)
+
+
+def _trace(fn, args, kwargs):
+    """``(closed jaxpr, output treedef, array arguments)`` of ``fn(*args, **kwargs)``.
+
+    Only arrays are arguments of the traced program; any other leaf (a Python bool, a
+    callable, an Equinox module's static field) stays what it is, as under ``eqx.filter_jit``.
+    """
+    leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+    out_tree = []
+
+    def flat_fn(*arrays):
+        full = list(leaves)
+        for i, x in zip(dynamic, arrays, strict=True):
+            full[i] = x
+        a, k = jax.tree_util.tree_unflatten(in_tree, full)
+        out_leaves, tree = jax.tree_util.tree_flatten(fn(*a, **k))
+        out_tree.append((tree, [not _is_array(x) for x in out_leaves]))
+        return [x for x in out_leaves if _is_array(x)], [x for x in out_leaves if not _is_array(x)]
+
+    arrays = [leaves[i] for i in dynamic]
+    static_out = []
+
+    def traced(*arrays):
+        outs, static = flat_fn(*arrays)
+        static_out.append(static)
+        return outs
+
+    closed = jax.make_jaxpr(traced)(*arrays)
+    tree, is_static = out_tree[0]
+
+    def rebuild(outs):
+        it_dyn, it_static = iter(outs), iter(static_out[0])
+        return jax.tree_util.tree_unflatten(
+            tree, [next(it_static) if s else next(it_dyn) for s in is_static]
+        )
+
+    return closed, rebuild, arrays
+
+
+def _reduce(counts: dict, per_device: set[str]) -> Report:
+    """Each site's counters, those kept per device (``[devices, ...]``, from ``shard_map``)
+    summed over the devices in one reduction for the whole step."""
+    rows = [s for s in counts if s in per_device]
+    if not rows:
+        return counts
+    stacked = jnp.stack([counts[s] for s in rows], axis=1)  # [devices, sites, ...]
+    summed = jnp.sum(stacked, axis=0)
+    return {s: summed[i] if s in per_device else counts[s] for i, s in enumerate(rows)} | {
+        s: c for s, c in counts.items() if s not in per_device
+    }
+
+
+def _evaluate(fn, config, args, kwargs) -> tuple[Any, Report]:
+    closed, rebuild, arrays = _trace(fn, args, kwargs)
+    names, _ = _site_table(closed.jaxpr, config)
+    evaluator = _Evaluator(names, config)
+    outs, counts = evaluator.run(closed.jaxpr, closed.consts, arrays)
+    out = rebuild(outs)
+    return out, _reduce(counts, evaluator.per_device)
+
+
+def _merge_recomputed(first: dict, second: dict, second_detected) -> dict:
+    """Counters after a step computed twice: those of the recomputation if it detected
+    anything; else the first pass's detections were transient and recomputing corrected them."""
+    corrected_by_recompute = jnp.asarray([1, 1, 0, 0], jnp.int32)
+    return {
+        s: jnp.where(second_detected, second[s], first[s][..., :1] * corrected_by_recompute)
+        for s in first
+    }
+
+
+def checked(fn: Callable, config: ABFTConfig | None = None) -> Callable:
+    """``fn`` with every floating-point GEMM verified (and repaired) by checksums.
+
+    Args:
+      fn: any JAX-traceable function; typically a whole training step that calls ``jax.grad``.
+      config: checks and repair. ``include`` / ``exclude`` select sites by glob;
+        ``correct=False`` only detects; ``recompute=True`` detects only and, when anything was
+        detected, computes the whole of ``fn`` again from the same arguments with in-place
+        repair (a loop of zero or one trips: a clean call computes it once); ``per_iteration``
+        keeps one row of counters per ``scan`` iteration.
+
+    Returns:
+      A function with ``fn``'s arguments returning ``(fn's outputs, report)``; ``report`` maps
+      each checked site to int32 ``[detected, corrected, uncorrectable, nonfinite_input]``
+      (``[iterations, 4]`` inside a scan with ``per_iteration``), with no host sync.
+      Faults set by :func:`sdcguard.faults` around the call are injected at their sites.
+
+    Example:
+      >>> out, report = sdcguard.checked(train_step)(state, batch)
+      >>> bad = sum(sdcguard.abft.unsafe_checks(c) for c in report.values())
+    """
+    config = ABFTConfig() if config is None else config
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not config.recompute:
+            return _evaluate(fn, config, args, kwargs)
+        detect = dataclasses.replace(config, correct=False, recompute=False)
+        repair = dataclasses.replace(config, correct=True, recompute=False)
+        out, counts = _evaluate(fn, detect, args, kwargs)
+        detected = total(counts)[0] > 0
+
+        def again(first):
+            _, first_counts = first
+            out2, counts2 = _evaluate(fn, repair, args, kwargs)
+            merged = _merge_recomputed(first_counts, counts2, total(counts2)[0] > 0)
+            return out2, merged
+
+        return apply_if(detected, again, (out, counts))
+
+    return run
+
+
+def total(report: Report) -> jax.Array:
+    """int32 ``[4]``: the report's counters summed over sites (and iterations)."""
+    out = _zeros()
+    for c in report.values():
+        out = out + jnp.sum(c.reshape(-1, NUM_COUNTERS), axis=0)
+    return out
+
+
+def list_sites(fn: Callable, *args, config: ABFTConfig | None = None, **kwargs) -> list[GemmSite]:
+    """Every GEMM site of ``fn(*args, **kwargs)``, checked or not, in program order.
+
+    Traces ``fn`` only (nothing runs). Arguments may be arrays or ``jax.ShapeDtypeStruct``.
+
+    Example:
+      >>> [s.name for s in list_sites(train_step, state, batch) if s.direction == "forward"]
+    """
+    config = ABFTConfig() if config is None else config
+    closed, _, _ = _trace(fn, args, kwargs)
+    _, sites = _site_table(closed.jaxpr, config)
+    return sites
