@@ -235,7 +235,9 @@ def plain_case():
     sites = {
         "mlp_forward": "loss_fn/mlp:dot_general",
         "mlp_backward": "loss_fn/mlp:dot_general.grad_rhs",
-        "attention": "loss_fn/mlp:dot_general.grad_lhs",
+        # No attention here: a third site, the second layer's input gradient (the first layer's
+        # input is data, so it has no .grad_lhs).
+        "attention": "loss_fn/mlp:dot_general_1.grad_lhs",
     }
     return step, (params, x, y), sites
 
