@@ -12,6 +12,7 @@ from tolerances import PARITY, TOLERANCES, assert_close
 
 import sdcguard
 from sdcguard import linen as sl
+from sdcguard.abft import NUM_COUNTERS
 from sdcguard.inject import Fault, FaultPlan
 from sdcguard.models import ByteBatches, GPTConfig
 from sdcguard.sites import ATTENTION_SITES, GEMM_SITES, GRAD_SUFFIXES
@@ -121,7 +122,7 @@ def test_attention_fn_injection_point():
     v = plain.init(jax.random.key(0), x)
     out, state = jax.jit(functools.partial(hooked.apply, mutable=["sdc"]))(v, x)
     assert_close(out, jax.jit(plain.apply)(v, x), jnp.float32, PARITY)
-    assert state["sdc"]["counts"].shape == (len(ATTENTION_SITES), 3)
+    assert state["sdc"]["counts"].shape == (len(ATTENTION_SITES), NUM_COUNTERS)
 
 
 def test_custom_attention_fn_is_refused():
@@ -235,9 +236,10 @@ def test_recompute_counts_a_fault_that_does_not_come_back_as_corrected():
     np.testing.assert_array_equal(
         merge_counts(first, clean, jnp.array(False)), [[2, 2, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]]
     )
-    again = jnp.array([[1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]], jnp.int32)  # it came back, repaired
+    # It came back, repaired.
+    again = jnp.array([[1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]], jnp.int32)
     np.testing.assert_array_equal(merge_counts(first, again, jnp.array(True)), again)
-    sinks = jnp.zeros((2, 2, 3)).at[0, 1].set([3.0, 0.0, 3.0])  # backward sink gradients
+    sinks = jnp.zeros((2, 2, NUM_COUNTERS)).at[0, 1].set([3.0, 0.0, 3.0, 0.0])  # sink gradients
     merged = merge_counts(sinks, jnp.zeros_like(sinks), jnp.array(False))
     np.testing.assert_array_equal(merged[0, 1], [3, 3, 0, 0])
 

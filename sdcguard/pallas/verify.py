@@ -285,9 +285,8 @@ def locate_and_correct(
     flagged = jnp.any(bad_row, axis=1) | jnp.any(bad_col, axis=1)
     repaired = flagged & (by_col | by_row | one_row | one_col)
     if not correct:
-        counts = jnp.stack([jnp.sum(flagged), 0 * jnp.sum(flagged), jnp.sum(flagged)])
-        return c, counts.astype(jnp.int32)
-    counts = jnp.stack([jnp.sum(flagged), jnp.sum(repaired), jnp.sum(flagged & ~repaired)])
+        return c, abft._counts(jnp.sum(flagged), 0 * jnp.sum(flagged))
+    counts = abft._counts(jnp.sum(flagged), jnp.sum(repaired))
 
     # A single bad row (column) is recomputed from A and B: a vector-matrix product.
     hi = jax.lax.Precision.HIGHEST
