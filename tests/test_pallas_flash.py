@@ -125,7 +125,8 @@ def test_injected_faults_match_xla_counters_forward_and_backward():
     grad_flash = jax.jit(jax.grad(flash_loss, argnums=(0, 1, 2, 3), has_aux=True))
     grad_xla = jax.jit(jax.grad(xla_loss, argnums=(0, 1, 2, 3), has_aux=True))
     g, (out, counts) = grad_flash(q, k, v, fa.zero_sink(), plan)
-    gx, (out_x, counts_x) = grad_xla(q_raw, k, v, jnp.zeros((len(GEMM_SITES), 2, 3)), plan)
+    sinks = jnp.zeros((len(GEMM_SITES), 2, abft.NUM_COUNTERS))
+    gx, (out_x, counts_x) = grad_xla(q_raw, k, v, sinks, plan)
 
     assert counts.tolist() == counts_x.tolist() == [[1, 1, 0, 0]] * 3
     sink_x = np.asarray(gx[3])[[GEMM_SITES.index("scores"), GEMM_SITES.index("context")]]
