@@ -84,7 +84,7 @@ def attention_fns(model: GPTConfig, batch_size: int) -> dict:
     layer = nn.MultiHeadDotProductAttention(num_heads=model.num_heads)
     params = layer.init(jax.random.key(1), x, mask=mask)["params"]
     with sl.protect(ABFTConfig(sites=())):
-        sinks = layer.init(jax.random.key(1), x, mask=mask)["sdc_grad"]
+        sinks = sl.init_sinks(layer, x, mask=mask)
     fns = {}
     for name, abft in VARIANTS.items():
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.linen.dtypes import promote_dtype
 
 from sdcguard import inject
@@ -32,6 +33,10 @@ from sdcguard.abft import (
     zero_sink,
 )
 from sdcguard.sites import ATTENTION_SITES, GEMM_SITES, site_name
+
+
+class UncheckedAttentionWarning(UserWarning):
+    """A protected layer runs an attention core it cannot check (a custom ``attention_fn``)."""
 
 
 def site_config(config: ABFTConfig, site: str) -> ABFTConfig:
@@ -51,14 +56,23 @@ class SiteRecorder:
     Attributes:
       path: the layer's module path, e.g. ``('decoder', 'block_0', 'attn')``.
       config: ABFT settings.
-      sinks: float32 ``[len(GEMM_SITES), 2, 3]`` whose gradient receives the backward counters,
-        or None.
+      sinks: float32 ``[len(GEMM_SITES), 2, NUM_COUNTERS]`` whose gradient receives the
+        backward counters, or None.
+      owner: the layer (module object) whose call this records, or None.
     """
 
-    def __init__(self, path: Sequence[str], config: ABFTConfig, sinks: jax.Array | None = None):
+    def __init__(
+        self,
+        path: Sequence[str],
+        config: ABFTConfig,
+        sinks: jax.Array | None = None,
+        *,
+        owner: object = None,
+    ):
         self.path = tuple(path)
         self.config = config
         self.sinks = sinks
+        self.owner = owner
         self.counts = {s: jnp.zeros((NUM_COUNTERS,), jnp.int32) for s in ATTENTION_SITES}
 
     def site(self, name: str) -> str:
@@ -73,7 +87,7 @@ class SiteRecorder:
         self.counts[name] = self.counts[name] + counts
 
     def stacked(self) -> jax.Array:
-        """int32 ``[len(ATTENTION_SITES), 3]`` in ATTENTION_SITES order."""
+        """int32 ``[len(ATTENTION_SITES), NUM_COUNTERS]`` in ATTENTION_SITES order."""
         return jnp.stack([self.counts[s] for s in ATTENTION_SITES])
 
     def einsum(self, site: str, spec: str, a, b, *, precision=None, **kwargs):
@@ -124,6 +138,10 @@ def current_recorder() -> SiteRecorder | None:
     return _RECORDER.get()
 
 
+def _softmax_as_jax_nn(scores, dtype):
+    return jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(dtype)
+
+
 def _softmax(scores, dtype, force_fp32_for_softmax):
     if force_fp32_for_softmax and dtype != jnp.float32:
         return jax.nn.softmax(scores.astype(jnp.float32))
@@ -146,10 +164,15 @@ def protected_attention(
     precision=None,
     force_fp32_for_softmax: bool = False,
     sow=None,
+    jax_nn_arithmetic: bool = False,
 ) -> jax.Array:
     """Dot-product attention with ``scores``, ``probs`` and ``context`` checked.
 
-    Same arithmetic, in the same order, as ``flax.linen.dot_product_attention``.
+    Same arithmetic, in the same order, as ``flax.linen.dot_product_attention``; with
+    ``jax_nn_arithmetic``, as ``jax.nn.dot_product_attention`` (XLA implementation), which
+    ``flax.nnx.dot_product_attention`` calls when there is no dropout and nothing to sow: the
+    logits are computed in (at least) float32, scaled after QKᵀ rather than the query before,
+    masked with ``-0.7·max`` and normalised in float32; ``precision`` is not used there.
 
     Args:
       query: ``[batch..., q_len, heads, head_dim]``.
@@ -178,29 +201,45 @@ def protected_attention(
         )
     groups = heads // kv_heads
     depth = query.shape[-1]
-    query = query / jnp.sqrt(depth).astype(dtype)
+    if jax_nn_arithmetic:
+        logits_dtype = jnp.promote_types(dtype, jnp.float32)
+        scale = jnp.asarray(1.0 / np.sqrt(depth), logits_dtype)
+        precision = None
+        softmax = functools.partial(_softmax_as_jax_nn, dtype=key.dtype)
+    else:
+        logits_dtype = None
+        query = query / jnp.sqrt(depth).astype(dtype)
+        softmax = functools.partial(
+            _softmax, dtype=dtype, force_fp32_for_softmax=force_fp32_for_softmax
+        )
+    qk = functools.partial(
+        recorder.einsum, precision=precision, preferred_element_type=logits_dtype
+    )
     # Grouped heads: [.., q, H, d] -> [.., q, Hkv, G, d]; head h = kv_head * G + group.
     if groups == 1:
         # No size-1 group axis: it would make XLA transpose (copy) the scores on every call.
-        scores = recorder.einsum("scores", "...qhd,...khd->...hqk", query, key, precision=precision)
+        scores = qk("scores", "...qhd,...khd->...hqk", query, key)
     else:
         q5 = query.reshape(*query.shape[:-2], kv_heads, groups, depth)
-        scores = recorder.einsum("scores", "...qhgd,...khd->...hgqk", q5, key, precision=precision)
+        scores = qk("scores", "...qhgd,...khd->...hgqk", q5, key)
         scores = scores.reshape(*scores.shape[:-4], heads, *scores.shape[-2:])
-    if bias is not None:
-        scores = scores + bias
-    if mask is not None:
-        scores = jnp.where(mask, scores, jnp.finfo(dtype).min)
+    if jax_nn_arithmetic:
+        scores = scores * scale
+        if bias is not None:
+            scores = (scores + bias).astype(logits_dtype)
+        if mask is not None:
+            large_negative = jnp.asarray(-0.7 * jnp.finfo(logits_dtype).max, logits_dtype)
+            scores = jnp.where(mask.astype(bool), scores, large_negative)
+    else:
+        if bias is not None:
+            scores = scores + bias
+        if mask is not None:
+            scores = jnp.where(mask, scores, jnp.finfo(dtype).min)
 
-    probs = _softmax(scores, dtype, force_fp32_for_softmax)
+    probs = softmax(scores)
     probs = inject.apply(probs, inject.active_plan(like=probs), recorder.site("probs"))
     if recorder.config.checks("probs"):
-        probs, counts = check_softmax_rows(
-            probs,
-            scores,
-            functools.partial(_softmax, dtype=dtype, force_fp32_for_softmax=force_fp32_for_softmax),
-            recorder.config,
-        )
+        probs, counts = check_softmax_rows(probs, scores, softmax, recorder.config)
         recorder.add("probs", counts)
     if sow is not None:
         sow(probs)

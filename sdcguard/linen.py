@@ -1,16 +1,24 @@
-"""Flax linen drop-ins: the protected attention layer and ``protect()``.
+"""Flax linen drop-ins: the protected attention layers and ``protect()``.
 
 The protected layer *is* Flax's ``nn.MultiHeadDotProductAttention``, with its own injection
 points filled in: ``qkv_dot_general_cls`` / ``out_dot_general_cls`` check the four projections
 and ``attention_fn`` checks ``scores``, ``probs`` and ``context``. Parameters are untouched, so
-an existing checkpoint loads unchanged.
+an existing checkpoint loads unchanged, and ``init`` returns the collections Flax's layer
+returns (``params``, and ``cache`` with ``decode=True``): the counters below appear when they
+are asked for.
 
 Collections:
-  ``'sdc'``: ``counts`` int32 ``[7, 3]`` per layer (rows: ATTENTION_SITES; columns: detected,
-    corrected, uncorrectable), accumulated over calls; apply with ``mutable=['sdc']``.
-  ``'sdc_grad'``: ``sinks`` float32 ``[6, 2, 3]`` zeros per layer. Differentiate the loss with
-    respect to it (pass it in like params) and its gradient holds the backward counters
-    (rows: GEMM_SITES; then grad_lhs / grad_rhs). No host sync either way.
+  ``'sdc'``: ``counts`` int32 ``[7, NUM_COUNTERS]`` per layer (rows: ATTENTION_SITES; columns:
+    :class:`sdcguard.abft.Counts`), accumulated over calls; apply with ``mutable=['sdc']``.
+  ``'sdc_grad'``: ``sinks`` float32 ``[6, 2, NUM_COUNTERS]`` zeros per layer, made by
+    :func:`init_sinks`. Differentiate the loss with respect to them (pass them in like params)
+    and their gradient holds the backward counters (rows: GEMM_SITES; then grad_lhs /
+    grad_rhs). No host sync either way.
+
+Inside ``nn.scan`` (or ``nn.vmap``) the counters leave the loop only through a collection the
+transform carries: add ``'sdc'`` (and ``'sdc_grad'``) to ``variable_axes``; the counters are
+then stacked per iteration and :func:`site_counts` sums them. A protected layer asked for
+counters that the transform would drop raises instead of losing them.
 
 Example:
   >>> with sdcguard.linen.protect(ABFTConfig()):
@@ -21,16 +29,22 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import contextvars
+import functools
+import inspect
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.linen import module as linen_module
 
 from sdcguard.abft import NUM_COUNTERS, ABFTConfig
 from sdcguard.attention import (
     SiteRecorder,
+    UncheckedAttentionWarning,
     _current_linen_module,
     current_recorder,
     dot_product_attention,
@@ -40,6 +54,11 @@ from sdcguard.sites import ATTENTION_SITES, GEMM_SITES, GRAD_SUFFIXES, site_name
 
 COUNTS = "counts"
 SINKS = "sinks"
+
+# Flax's classes, bound once: a test harness may replace the names in flax.linen by ours.
+_FlaxMHDPA = nn.MultiHeadDotProductAttention
+_FlaxSelfAttention = nn.SelfAttention
+_flax_dot_product_attention = nn.dot_product_attention
 
 
 class ProjectionDotGeneral:
@@ -59,8 +78,7 @@ class ProjectionDotGeneral:
         return recorder.dot_general(dense.name, lhs, rhs, dimension_numbers, precision, **kwargs)
 
 
-_HOOKS = {
-    "attention_fn": dot_product_attention,
+_PROJECTION_HOOKS = {
     "qkv_dot_general_cls": ProjectionDotGeneral,
     "out_dot_general_cls": ProjectionDotGeneral,
 }
@@ -70,54 +88,186 @@ _UNSUPPORTED = (
     "qk_attn_weights_einsum_cls",
     "attn_weights_value_einsum_cls",
 )
+# Keywords of Flax's dot_product_attention that replace its einsums: a core with them set is
+# not Flax's arithmetic any more, and runs as given (unchecked).
+_EINSUM_OVERRIDES = ("einsum_dot_general", "qk_attn_weights_einsum", "attn_weights_value_einsum")
+
+
+def checked_attention_fn(fn: Callable) -> Callable | None:
+    """The checked equivalent of an ``attention_fn``, or None when it cannot be checked.
+
+    Flax's ``dot_product_attention`` (or sdcguard's) and ``functools.partial`` of either with
+    keyword arguments only (e.g. ``partial(nn.dot_product_attention, force_fp32_for_softmax=
+    True)``) are recognised: the same arithmetic with every GEMM checked. Anything else is a
+    core this library cannot see into.
+    """
+    keywords = {}
+    while isinstance(fn, functools.partial):
+        if fn.args:
+            return None
+        keywords = {**fn.keywords, **keywords}
+        fn = fn.func
+    if fn not in (_flax_dot_product_attention, dot_product_attention):
+        return None
+    if any(keywords.get(k) is not None for k in _EINSUM_OVERRIDES):
+        return None
+    known = inspect.signature(dot_product_attention).parameters
+    if not set(keywords) <= set(known):
+        return None
+    if not keywords:
+        return dot_product_attention
+    return functools.partial(dot_product_attention, **keywords)
+
+
+def _warn_unchecked(where: str, fn: Callable) -> None:
+    # The warnings registry shows one message per (text, location): once per custom core.
+    warnings.warn(
+        f"{where}: attention_fn {fn!r} is not Flax's dot_product_attention, so its scores, "
+        "probs and context GEMMs run unchecked (the query/key/value/out projections are "
+        "checked). Use flax's or sdcguard's dot_product_attention (optionally through "
+        "functools.partial with keyword arguments) to check them too.",
+        UncheckedAttentionWarning,
+        stacklevel=2,
+    )
 
 
 def _check_protectable(module: nn.MultiHeadDotProductAttention) -> None:
-    if module.attention_fn not in (nn.dot_product_attention, dot_product_attention):
-        raise ValueError(
-            f"cannot protect {module.name or type(module).__name__}: it uses a custom "
-            f"attention_fn ({module.attention_fn!r}); ABFT protection replaces Flax's "
-            "dot_product_attention. Use sdcguard.dot_product_attention as the attention_fn."
-        )
     for field in ("qkv_dot_general_cls", "out_dot_general_cls"):
         if getattr(module, field) not in (None, ProjectionDotGeneral):
-            raise ValueError(f"cannot protect a layer with a custom {field}")
+            raise ValueError(
+                f"cannot protect {module.name or type(module).__name__}: it has a custom "
+                f"{field}, which the checked projections would replace; remove it or leave "
+                "this layer unprotected"
+            )
     for field in _UNSUPPORTED:
         if getattr(module, field) is not None:
             raise ValueError(
-                f"cannot protect a layer with {field} set: the checked GEMMs replace it"
+                f"cannot protect {module.name or type(module).__name__}: {field} is set, and "
+                "the checked GEMMs would replace it; remove it or leave this layer unprotected"
             )
 
 
+def _hooks(module: nn.MultiHeadDotProductAttention) -> dict[str, object]:
+    """The field values that make ``module`` a protected layer."""
+    _check_protectable(module)
+    hooks: dict[str, object] = dict(_PROJECTION_HOOKS)
+    checked = checked_attention_fn(module.attention_fn)
+    if checked is None:
+        _warn_unchecked(module.name or type(module).__name__, module.attention_fn)
+    else:
+        hooks["attention_fn"] = checked
+    return hooks
+
+
+# --- Counters in collections ---------------------------------------------------------------------
+
+_MAKING_SINKS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "sdcguard_making_sinks", default=False
+)
+
+
+def _enclosing_modules(module: nn.Module) -> Iterator[nn.Module]:
+    for other in reversed(linen_module._context.module_stack):
+        if other is not None and other is not module and other.scope is not None:
+            yield other
+
+
+def _dropped_by_transform(module: nn.Module, collection: str, present) -> bool:
+    """Whether an enclosing module sees ``collection`` (per ``present``) but ``module`` does
+    not: a lifted transform (``nn.scan``, ``nn.vmap``) between them does not carry it."""
+    return not present(module) and any(present(m) for m in _enclosing_modules(module))
+
+
+def _collection_error(module: nn.Module, collection: str, what: str) -> ValueError:
+    return ValueError(
+        f"the protected attention layer {'/'.join(module.path)!r} runs inside a Flax "
+        f"transform (nn.scan, nn.vmap, ...) that does not carry the {collection!r} collection, "
+        f"so its {what} would be lost. Add {collection!r} to the transform's variable_axes, "
+        f"e.g. nn.scan(..., variable_axes={{'params': 0, 'sdc': 0, 'sdc_grad': 0}})."
+    )
+
+
 def record_counts(module: nn.Module, counts: jax.Array) -> None:
-    """Adds ``counts`` ``[7, 3]`` to ``module``'s ``'sdc'`` collection when it is mutable."""
-    if module.is_mutable_collection("sdc"):
-        var = module.variable(
-            "sdc", COUNTS, jnp.zeros, (len(ATTENTION_SITES), NUM_COUNTERS), jnp.int32
-        )
-        var.value = var.value + counts
+    """Adds ``counts`` ``[7, NUM_COUNTERS]`` to ``module``'s ``'sdc'`` collection when it is
+    mutable (not while initializing: ``init`` returns Flax's collections only)."""
+    if module.is_initializing():
+        return
+
+    def mutable(m):
+        return m.is_mutable_collection("sdc")
+
+    if not mutable(module):
+        if _dropped_by_transform(module, "sdc", mutable):
+            raise _collection_error(module, "sdc", "forward counters")
+        return
+    var = module.variable("sdc", COUNTS, jnp.zeros, (len(ATTENTION_SITES), NUM_COUNTERS), jnp.int32)
+    var.value = var.value + counts
+
+
+def _has_sinks(module: nn.Module) -> bool:
+    return "sdc_grad" in module.scope.root.variables()
 
 
 def _sinks(module: nn.Module) -> jax.Array | None:
     shape = (len(GEMM_SITES), 2, NUM_COUNTERS)
-    if module.has_variable("sdc_grad", SINKS) or module.is_mutable_collection("sdc_grad"):
-        return module.variable("sdc_grad", SINKS, jnp.zeros, shape, jnp.float32).value
+    if module.has_variable("sdc_grad", SINKS):
+        return module.variable("sdc_grad", SINKS).value
+    if _MAKING_SINKS.get():
+
+        def mutable(m):
+            return m.is_mutable_collection("sdc_grad")
+
+        if mutable(module):
+            return module.variable("sdc_grad", SINKS, jnp.zeros, shape, jnp.float32).value
+        if _dropped_by_transform(module, "sdc_grad", mutable):
+            raise _collection_error(module, "sdc_grad", "backward-counter sinks")
+        return None
+    if _dropped_by_transform(module, "sdc_grad", _has_sinks):
+        raise _collection_error(module, "sdc_grad", "backward counters")
     return None
 
 
 def _protected_call(module, call, config: ABFTConfig, args, kwargs):
-    recorder = SiteRecorder(module.path, config, _sinks(module))
+    recorder = SiteRecorder(module.path, config, _sinks(module), owner=module)
     with recording(recorder):
         out = call(*args, **kwargs)
     record_counts(module, recorder.stacked())
     return out
 
 
+def init_sinks(module: nn.Module, *args, **kwargs) -> dict:
+    """Zero ``'sdc_grad'`` sinks for every protected attention layer of ``module``.
+
+    Runs ``module.init`` abstractly (no computation) with ``args``/``kwargs`` as for ``init``;
+    plain Flax layers count when called inside :func:`protect`. Pass the result in with the
+    parameters (``{'params': params, 'sdc_grad': sinks}``) and differentiate with respect to
+    it: the gradient holds the backward counters (:func:`backward_site_counts`).
+
+    Returns:
+      The ``'sdc_grad'`` collection (``{}`` when no layer is protected).
+
+    Example:
+      >>> with protect():
+      ...     sinks = init_sinks(model, tokens)
+    """
+    token = _MAKING_SINKS.set(True)
+    try:
+        shapes = jax.eval_shape(functools.partial(module.init, jax.random.key(0), *args, **kwargs))
+    finally:
+        _MAKING_SINKS.reset(token)
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes.get("sdc_grad", {}))
+
+
+# --- The drop-ins --------------------------------------------------------------------------------
+
+
 class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     """``flax.linen.MultiHeadDotProductAttention`` with checksum-protected GEMMs.
 
     Same constructor arguments, call signature, parameter tree and outputs, plus
-    ``abft: ABFTConfig``.
+    ``abft: ABFTConfig``. A custom ``attention_fn`` other than Flax's ``dot_product_attention``
+    (or a keyword ``functools.partial`` of it) runs unchecked, with a warning; the projections
+    are checked either way.
 
     Inputs ``[batch..., length, features]``; output ``[batch..., length, out_features]``.
 
@@ -129,8 +279,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     abft: ABFTConfig = ABFTConfig()
 
     def __post_init__(self):
-        _check_protectable(self)
-        for field, hook in _HOOKS.items():
+        for field, hook in _hooks(self).items():
             object.__setattr__(self, field, hook)
         super().__post_init__()
 
@@ -139,8 +288,15 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         return _protected_call(self, super().__call__, self.abft, args, kwargs)
 
 
-class MultiHeadAttention(MultiHeadDotProductAttention):
+class MultiHeadAttention(MultiHeadDotProductAttention, nn.MultiHeadAttention):
     """Alias, as in Flax (default name ``MultiHeadAttention_{i}``)."""
+
+
+class SelfAttention(MultiHeadDotProductAttention, _FlaxSelfAttention):
+    """``flax.linen.SelfAttention`` (deprecated by Flax) with checksum-protected GEMMs.
+
+    Called as Flax's: ``layer(inputs_q, mask=None, deterministic=None, ...)``.
+    """
 
 
 @contextlib.contextmanager
@@ -149,7 +305,8 @@ def protect(config: ABFTConfig | None = None) -> Iterator[None]:
 
     No change to the model's code: calls are intercepted (``flax.linen.intercept_methods``) and
     the layer's injection points are filled with the checked ones for the duration of the call.
-    Use it around ``init``/``apply`` (inside ``jax.jit`` or outside).
+    Subclasses (``nn.MultiHeadAttention``, ``nn.SelfAttention``) are protected too. Use it
+    around ``init``/``apply`` (inside ``jax.jit`` or outside).
 
     Args:
       config: ABFT settings; ``ABFTConfig()`` by default. ``ABFTConfig(sites=())`` checks
@@ -159,16 +316,19 @@ def protect(config: ABFTConfig | None = None) -> Iterator[None]:
 
     def interceptor(next_fun, args, kwargs, context):
         module = context.module
+        recorder = current_recorder()
         if (
             context.method_name != "__call__"
-            or not isinstance(module, nn.MultiHeadDotProductAttention)
+            or not isinstance(module, _FlaxMHDPA)
             or isinstance(module, MultiHeadDotProductAttention)
+            # A subclass's __call__ calling Flax's (nn.SelfAttention): one protected call.
+            or (recorder is not None and recorder.owner is module)
         ):
             return next_fun(*args, **kwargs)
-        _check_protectable(module)
-        saved = {field: getattr(module, field) for field in _HOOKS}
+        hooks = _hooks(module)
+        saved = {field: getattr(module, field) for field in hooks}
         # A linen module instance lives for one apply; its hooks are restored after the call.
-        for field, hook in _HOOKS.items():
+        for field, hook in hooks.items():
             object.__setattr__(module, field, hook)
         try:
             return _protected_call(module, next_fun, config, args, kwargs)
@@ -194,12 +354,16 @@ def _leaves_named(tree: Mapping, name: str, path=()) -> Iterator[tuple[tuple[str
 def site_counts(sdc: Mapping) -> dict[str, np.ndarray]:
     """Forward counters by site name from an ``'sdc'`` collection.
 
+    Counters stacked by ``nn.scan``/``nn.vmap`` (``[..., 7, NUM_COUNTERS]``) are summed over the
+    stacked axes.
+
     Returns:
-      ``{'decoder/block_0/attn:scores': array([detected, corrected, uncorrectable]), ...}``.
+      ``{'decoder/block_0/attn:scores': array([detected, corrected, uncorrectable,
+      nonfinite_input]), ...}``.
     """
     out = {}
     for path, counts in _leaves_named(sdc, COUNTS):
-        counts = np.asarray(counts)
+        counts = np.asarray(counts).reshape(-1, len(ATTENTION_SITES), NUM_COUNTERS).sum(0)
         for i, s in enumerate(ATTENTION_SITES):
             out[site_name(path, s)] = counts[i]
     return out
@@ -210,6 +374,7 @@ def backward_site_counts(sink_grads: Mapping) -> dict[str, np.ndarray]:
     out = {}
     for path, grads in _leaves_named(sink_grads, SINKS):
         grads = np.rint(np.asarray(grads)).astype(np.int64)
+        grads = grads.reshape(-1, len(GEMM_SITES), 2, NUM_COUNTERS).sum(0)
         for i, s in enumerate(GEMM_SITES):
             for j, suffix in enumerate(GRAD_SUFFIXES):
                 out[site_name(path, s) + suffix] = grads[i, j]
@@ -217,10 +382,12 @@ def backward_site_counts(sink_grads: Mapping) -> dict[str, np.ndarray]:
 
 
 def total_counts(sdc: Mapping | None = None, sink_grads: Mapping | None = None) -> jax.Array:
-    """int32 ``[3]`` totals over all layers, forward and backward (traceable, no host sync)."""
+    """int32 ``[NUM_COUNTERS]`` totals over all layers, forward and backward (traceable, no
+    host sync)."""
     total = jnp.zeros((NUM_COUNTERS,), jnp.int32)
-    for path_counts in _leaves_named(sdc or {}, COUNTS):
-        total = total + jnp.sum(path_counts[1], axis=0)
-    for path_grads in _leaves_named(sink_grads or {}, SINKS):
-        total = total + jnp.rint(jnp.sum(path_grads[1], axis=(0, 1))).astype(jnp.int32)
+    for _, counts in _leaves_named(sdc or {}, COUNTS):
+        total = total + jnp.sum(jnp.reshape(counts, (-1, NUM_COUNTERS)), axis=0)
+    for _, grads in _leaves_named(sink_grads or {}, SINKS):
+        summed = jnp.sum(jnp.reshape(grads, (-1, NUM_COUNTERS)), axis=0)
+        total = total + jnp.rint(summed).astype(jnp.int32)
     return total

@@ -192,8 +192,7 @@ def _check_output_sites(config: TrainConfig) -> None:
 def _sinks(model: nn.Module, config: GPTConfig):
     tokens = jnp.zeros((1, config.seq_len), jnp.int32)
     with linen.protect(UNCHECKED):
-        shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))
-    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["sdc_grad"])
+        return linen.init_sinks(model, tokens)
 
 
 def merge_counts(first: jax.Array, second: jax.Array, second_detected: jax.Array) -> jax.Array:

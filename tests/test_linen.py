@@ -125,13 +125,6 @@ def test_attention_fn_injection_point():
     assert state["sdc"]["counts"].shape == (len(ATTENTION_SITES), NUM_COUNTERS)
 
 
-def test_custom_attention_fn_is_refused():
-    x, _ = inputs()
-    layer = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=lambda q, k, v, **kw: q)
-    with pytest.raises(ValueError, match="custom attention_fn"), sl.protect():
-        layer.init(jax.random.key(0), x)
-
-
 def test_plan_captured_as_constant_is_refused():
     x, _ = inputs()
     layer = sl.MultiHeadDotProductAttention(num_heads=HEADS)

@@ -112,19 +112,6 @@ def test_forward_and_backward_counters():
     )
 
 
-def test_custom_attention_fn_is_refused():
-    layer = nnx.MultiHeadAttention(
-        num_heads=2,
-        in_features=8,
-        decode=False,
-        rngs=nnx.Rngs(0),
-        attention_fn=lambda *a, **k: a[0],
-    )
-    with pytest.raises(ValueError, match="custom attention_fn"):
-        snnx.protect(layer)
-    assert not isinstance(layer, snnx.MultiHeadAttention)
-
-
 def test_decode_cache_parity():
     kwargs = dict(num_heads=4, in_features=FEATURES, decode=True)
     flax_layer = nnx.MultiHeadAttention(**kwargs, rngs=nnx.Rngs(0))
