@@ -37,7 +37,7 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jex_core
 
-from sdcguard import abft, inject
+from sdcguard import abft, inject, sharding
 from sdcguard.abft import NUM_COUNTERS, ABFTConfig
 from sdcguard.in_place import apply_if
 
@@ -299,19 +299,31 @@ def _add(total: dict, more: dict) -> dict:
 class _Evaluator:
     """Evaluates jaxprs with every selected dot_general checked, returning the counters."""
 
-    def __init__(self, names: dict[int, tuple[str, str]], config: ABFTConfig):
+    def __init__(self, names: dict[int, tuple[str, str]], config: ABFTConfig, mesh=None):
         self.names = names
         self.config = config
         self.unchecked_primitives: set[str] = set()
         self.per_device: set[str] = set()  # sites whose counters are rows per device
         self.manual_axes: frozenset = frozenset()  # of the shard_map being evaluated
+        # The mesh the step's inputs are sharded over under jit (None: unsharded, shard_map,
+        # pmap): every GEMM outside shard_map is checked per device, its counters [rows, 4].
+        self.mesh = mesh
+
+    @property
+    def sharded(self) -> bool:
+        """Whether GEMMs here are checked per device with one counter row per device."""
+        return self.mesh is not None and not self.manual_axes
 
     def zeros(self) -> jax.Array:
         """Counters to start a loop's carry with, typed as the loop's counts will be."""
+        if self.sharded:
+            return sharding.zero_rows(self.mesh)
         return _varying(_zeros(), self.manual_axes)
 
     def counts_of(self, counts: dict, sites: list[str]) -> list[jax.Array]:
         """``counts`` of ``sites`` in order (zeros where a site did not run), carry-typed."""
+        if self.sharded:
+            return [counts[s] if s in counts else self.zeros() for s in sites]
         return [_varying(counts.get(s, _zeros()), self.manual_axes) for s in sites]
 
     def sites_in(self, jaxpr) -> list[str]:
@@ -371,13 +383,30 @@ class _Evaluator:
             return eqn.primitive.bind(lhs, rhs, **params), {}
         # One stored value of each operand for the GEMM and its checksums (see abft._as_stored).
         lhs, rhs = abft._as_stored(lhs), abft._as_stored(rhs)
-        out = eqn.primitive.bind(lhs, rhs, **params)
-        out = inject.apply(out, inject.active_plan(like=out), name)
         spec = abft.dot_general_to_einsum(lhs.ndim, rhs.ndim, params["dimension_numbers"])
         contraction = abft.Contraction.parse(spec, lhs.ndim, rhs.ndim)
-        out, counts = abft.check_contraction(
-            out, lhs, rhs, contraction, config=self.config, precision=params.get("precision")
-        )
+        plan = inject.active_plan(like=lhs)
+        mesh = sharding.device_mesh(lhs, rhs) if self.sharded else None
+        # Under sharding the GEMM runs on each device's blocks, so its output sharding is the
+        # blocks' (an explicit ``out_sharding`` is applied to the checked result below).
+        local_params = params if mesh is None else {**params, "out_sharding": None}
+
+        def local(a, b, plan, block):
+            out = eqn.primitive.bind(a, b, **local_params)
+            out = block.inject(out, plan, name, axes=tuple(range(out.ndim)))
+            return abft.check_contraction(
+                out, a, b, contraction, config=self.config, precision=params.get("precision")
+            )
+
+        out, counts = sharding.shard_local(local, lhs, rhs, plan, contraction, mesh=mesh)
+        if mesh is not None and params.get("out_sharding") is not None:
+            out = jax.sharding.reshard(out, params["out_sharding"])
+        if self.sharded:
+            if mesh is None:  # a GEMM of values on no mesh (constants): computed alike everywhere
+                counts = sharding.as_rows(counts, self.mesh)
+            elif counts.shape[0] != sharding.counter_rows(self.mesh)[0]:
+                counts = sharding.as_rows(jnp.sum(counts, axis=0), self.mesh)
+            self.per_device.add(name)
         return out, {name: counts}
 
     # Calls whose bodies are evaluated in line.
@@ -440,6 +469,8 @@ class _Evaluator:
             unroll=p["unroll"],
         )
         counts = per_step if per_iteration else totals
+        if per_iteration and self.sharded:
+            counts = [jnp.moveaxis(c, 0, 1) for c in counts]  # the device axis first
         return [*carry, *ys], dict(zip(sites, counts, strict=True))
 
     def _while(self, eqn, invals):
@@ -558,26 +589,31 @@ def _trace(fn, args, kwargs):
     return closed, rebuild, arrays
 
 
-def _reduce(counts: dict, per_device: set[str]) -> Report:
-    """Each site's counters, those kept per device (``[devices, ...]``, from ``shard_map``)
-    summed over the devices in one reduction for the whole step."""
-    rows = [s for s in counts if s in per_device]
-    if not rows:
-        return counts
-    stacked = jnp.stack([counts[s] for s in rows], axis=1)  # [devices, sites, ...]
-    summed = jnp.sum(stacked, axis=0)
-    return {s: summed[i] if s in per_device else counts[s] for i, s in enumerate(rows)} | {
-        s: c for s, c in counts.items() if s not in per_device
-    }
+def _reduce(counts: dict, per_device: set[str], mesh=None) -> Report:
+    """Each site's counters, those kept per device (``[devices, ...]``, from ``shard_map`` or a
+    sharded ``jit`` over ``mesh``) summed over the devices in one reduction for the step."""
+    out = dict(counts)
+    groups: dict = collections.defaultdict(list)
+    for s in counts:
+        if s in per_device:
+            groups[counts[s].shape[0]].append(s)
+    for rows in groups.values():
+        flat = [counts[s].reshape(counts[s].shape[0], -1) for s in rows]
+        sizes = [f.shape[1] for f in flat]
+        stacked = jnp.concatenate(flat, axis=1)  # [devices, all counters]
+        summed = jnp.sum(stacked, axis=0) if mesh is None else sharding.sum_rows(stacked, mesh)
+        for s, part in zip(rows, jnp.split(summed, np.cumsum(sizes)[:-1]), strict=True):
+            out[s] = part.reshape(counts[s].shape[1:])
+    return out
 
 
 def _evaluate(fn, config, args, kwargs) -> tuple[Any, Report]:
     closed, rebuild, arrays = _trace(fn, args, kwargs)
     names, _ = _site_table(closed.jaxpr, config)
-    evaluator = _Evaluator(names, config)
+    evaluator = _Evaluator(names, config, mesh=sharding.device_mesh(*arrays))
     outs, counts = evaluator.run(closed.jaxpr, closed.consts, arrays)
     out = rebuild(outs)
-    return out, _reduce(counts, evaluator.per_device)
+    return out, _reduce(counts, evaluator.per_device, evaluator.mesh)
 
 
 def _merge_recomputed(first: dict, second: dict, second_detected) -> dict:
@@ -605,7 +641,8 @@ def checked(fn: Callable, config: ABFTConfig | None = None) -> Callable:
       A function with ``fn``'s arguments returning ``(fn's outputs, report)``; ``report`` maps
       each checked site to int32 ``[detected, corrected, uncorrectable, nonfinite_input]``
       (``[iterations, 4]`` inside a scan with ``per_iteration``), with no host sync.
-      Faults set by :func:`sdcguard.faults` around the call are injected at their sites.
+      Faults set by :func:`sdcguard.faults` around the call are injected at their sites,
+      checked or excluded (``include=()`` checks nothing and keeps every injection point).
 
     Example:
       >>> out, report = sdcguard.checked(train_step)(state, batch)

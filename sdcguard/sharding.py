@@ -1,0 +1,349 @@
+"""Checked GEMMs that stay on the device that holds their data, however the step is sharded.
+
+A check is only cheap if it runs where its GEMM runs: each device verifies the block of
+``C = A·B`` that it computes, from the blocks of ``A`` and ``B`` it holds. ABFT is linear, so
+when the contracted dimension is sharded, each device's *partial* product ``A_k·B_k`` is checked
+(and repaired) before the sum over devices that the plain GEMM needs as well. The counters then
+have one row per device and are summed once per step.
+
+:func:`shard_local` runs a local check function so, in every way JAX shards a step:
+
+* inside ``shard_map`` and ``pmap`` (every mesh axis manual): the function sees the device's
+  own data already; it is called as it is.
+* ``jit`` with explicit mesh axes (``AxisType.Explicit``, the default of ``jax.make_mesh``): the
+  operands' shardings are part of their types at trace time, so the GEMM and its check are
+  wrapped in a ``jax.shard_map`` built from them.
+* ``jit`` with automatic axes (``AxisType.Auto``, ``NamedSharding`` inputs): shardings are
+  chosen by XLA's propagation after tracing, so the GEMM and its check are one
+  ``jax.experimental.custom_partitioning`` operation. Its sharding rule is the einsum's (so
+  propagation treats it as it treats the GEMM) and its partition rule receives the operands'
+  shardings and lowers the local check under them.
+
+Why not one mechanism for all: a ``shard_map`` needs the shardings when the program is traced,
+which automatic axes do not give; ``custom_partitioning`` is not lowered through the partitioner
+in a fully manual context and does not carry explicit-axes sharding types. Without either, XLA
+partitions the checks' reductions and the repair loop's condition like any other computation,
+and every checked GEMM adds all-reduces (53 for the 3-layer MLP of ``scripts/bench_sharding.py``
+on 8 devices instead of one).
+
+Example:
+  >>> c, counts, per_device = shard_local(local, a, b, plan, contraction)
+  >>> # counts: int32 [devices, 4] when per_device, else [4]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sdcguard import inject
+from sdcguard.abft import NUM_COUNTERS, Contraction
+
+__all__ = [
+    "Block",
+    "as_rows",
+    "counter_rows",
+    "device_mesh",
+    "shard_local",
+    "sum_rows",
+    "zero_rows",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """Where a device's block of ``C`` lies in the whole ``C`` (in the GEMM's output order).
+
+    Attributes:
+      global_shape: the whole ``C``'s shape.
+      offsets: per axis, the traced offset of this block; None for the whole ``C``.
+      owner: bool (traced): whether this device's block is the one a fault at an element of it
+        corrupts (the first device along the contracted mesh axes, when each computes a
+        partial sum of ``C``).
+    """
+
+    global_shape: tuple[int, ...]
+    offsets: tuple | None = None
+    owner: object = True
+
+    def inject(self, c: jax.Array, plan, site: str, axes: tuple[int, ...]) -> jax.Array:
+        """The faults of ``plan`` at ``site`` that fall in this block, applied to ``c``.
+
+        Element indices name elements of the whole site tensor, whose axis ``axes[i]`` is
+        axis ``i`` of ``c`` (as in :func:`sdcguard.inject.apply`).
+        """
+        if self.offsets is None:
+            return inject.apply(c, plan, site, axes=axes)
+        return _inject_block(c, plan, site, axes, self)
+
+
+def _inject_block(c, plan, site, axes, block: Block):
+    armed, sizes, dtypes = inject._RESTRICTION.get()
+    size = math.prod(block.global_shape)
+    if sizes is not None:
+        sizes.setdefault(site, int(size))
+    if dtypes is not None:
+        dtypes.setdefault(site, str(c.dtype))
+    if plan is None or plan.num_faults == 0 or (armed is not None and site not in armed):
+        return c
+    sid = inject.site_id(site)
+    index = jnp.where(plan.index >= 0, plan.index % size, inject.random_index(plan.seed, sid, size))
+    site_shape = [0] * c.ndim
+    for stored_axis, site_axis in enumerate(axes):
+        site_shape[site_axis] = block.global_shape[stored_axis]
+    coords = jnp.unravel_index(index, site_shape)
+    local = [coords[a] - off for a, off in zip(axes, block.offsets, strict=True)]
+    inside = block.owner
+    for x, n in zip(local, c.shape, strict=True):
+        inside = inside & (x >= 0) & (x < n)
+    flat = c.reshape(-1)
+    stored = jnp.ravel_multi_index(tuple(local), c.shape, mode="clip")
+    old = flat[stored]
+    new = jax.vmap(inject.corrupt)(old, plan.kind, plan.bit, plan.value)
+    fires = inject.fault_hits(plan, sid) & inside
+    stored = jnp.where(fires, stored, flat.size)
+    return inject._straight_through(c, flat.at[stored].set(new, mode="drop").reshape(c.shape))
+
+
+LocalFn = Callable[[jax.Array, jax.Array, object, Block], tuple[jax.Array, jax.Array]]
+
+
+def _mesh_of(*xs):
+    """The abstract mesh the operands are sharded over, or None when there is none to use."""
+    ctx = jax.sharding.get_abstract_mesh()
+    if ctx.manual_axes:
+        return None  # inside shard_map / pmap: the data here is the device's own
+    for x in xs:
+        mesh = jax.typeof(x).sharding.mesh
+        if not mesh.empty and mesh.size > 1:
+            return mesh
+    if not ctx.empty and ctx.size > 1:
+        return ctx
+    return None
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+    if entry is None or entry is P.UNCONSTRAINED:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _assign(ct: Contraction, lhs_spec, rhs_spec, allowed) -> dict[str, tuple[str, ...]]:
+    """Mesh axes of each letter of ``ct``: the lhs's sharding of it, else the rhs's, each mesh
+    axis used by one letter only (a conflicting operand is resharded to agree)."""
+    used: set[str] = set()
+    out: dict[str, tuple[str, ...]] = {}
+    for term, spec in ((ct.lhs, lhs_spec), (ct.rhs, rhs_spec)):
+        spec = tuple(spec) + (None,) * (len(term) - len(tuple(spec)))
+        for letter, entry in zip(term, spec, strict=True):
+            axes = tuple(a for a in _spec_axes(entry) if a in allowed)
+            if letter in out or not axes or used & set(axes):
+                continue
+            out[letter] = axes
+            used |= set(axes)
+    return out
+
+
+def _spec(term: str, assign) -> P:
+    return P(*[assign.get(c) or None for c in term])
+
+
+def _local_block(ct: Contraction, assign, axes, local_out_shape, global_out_shape) -> Block:
+    """This device's :class:`Block`, from its indices along the mesh ``axes`` (traced).
+
+    A fault hits one device: among those that compute partial sums of the same block (sharded
+    contraction) or the same block whole (mesh axes the GEMM is replicated over), the first.
+    """
+    offsets = []
+    for letter, n in zip(ct.out, local_out_shape, strict=True):
+        on = assign.get(letter)
+        offsets.append(jax.lax.axis_index(on) * n if on else 0)
+    out_axes = {a for c in ct.out for a in assign.get(c, ())}
+    others = tuple(a for a in axes if a not in out_axes)
+    owner = jax.lax.axis_index(others) == 0 if others else True
+    return Block(tuple(global_out_shape), tuple(offsets), owner)
+
+
+def _run_local(local: LocalFn, ct, assign, axes, a, b, plan, global_out_shape):
+    """The device's GEMM and check, then the sum over the contracted mesh axes."""
+    local_out = [
+        (a.shape[ct.lhs.index(c)] if c in ct.lhs else b.shape[ct.rhs.index(c)]) for c in ct.out
+    ]
+    block = _local_block(ct, assign, axes, local_out, global_out_shape)
+    c, counts = local(a, b, plan, block)
+    reduced = tuple(x for letter in ct.contracted for x in assign.get(letter, ()))
+    if reduced:
+        c = jax.lax.psum(c, reduced)
+    return c, counts[None]
+
+
+def device_mesh(*xs: jax.Array):
+    """The mesh ``xs`` are sharded over (an ``AbstractMesh`` of more than one device), or None
+    inside ``shard_map`` / ``pmap`` (every value there is a device's own) and when unsharded."""
+    return _mesh_of(*xs)
+
+
+def counter_rows(mesh) -> tuple[int, P]:
+    """``(rows, spec)`` of per-device counters over ``mesh``: one row per device of the mesh
+    axes the checks run over (the explicit ones of an explicit mesh, else all), sharded so."""
+    names = _counter_axes(mesh)
+    return math.prod(mesh.shape[n] for n in names), P(names)
+
+
+def _counter_axes(mesh) -> tuple[str, ...]:
+    explicit = tuple(
+        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit
+    )
+    return explicit or tuple(mesh.axis_names)
+
+
+def as_rows(counts: jax.Array, mesh) -> jax.Array:
+    """int32 ``[4]`` counters of a GEMM every device computed alike, as ``[rows, 4]`` per-device
+    counters (in row 0, so the one sum per step counts them once)."""
+    rows, spec = counter_rows(mesh)
+    out = jnp.zeros((rows, NUM_COUNTERS), jnp.int32).at[0].set(counts)
+    return _typed(out, mesh, spec)
+
+
+def zero_rows(mesh) -> jax.Array:
+    """int32 ``[rows, 4]`` zeros, typed as :func:`shard_local`'s per-device counters."""
+    rows, spec = counter_rows(mesh)
+    return _typed(jnp.zeros((rows, NUM_COUNTERS), jnp.int32), mesh, spec)
+
+
+def sum_rows(rows: jax.Array, mesh) -> jax.Array:
+    """``rows`` (``[rows, ...]`` per-device counters over ``mesh``) summed over the devices:
+    the one all-reduce of the step's counters, each device adding the row it holds."""
+    n, spec = counter_rows(mesh)
+    if rows.shape[0] != n:
+        return jnp.sum(rows, axis=0)
+    names = spec[0]
+    rest = (None,) * (rows.ndim - 1)
+    return jax.shard_map(
+        lambda r: jax.lax.psum(r[0], names),
+        mesh=mesh,
+        in_specs=P(names, *rest),
+        out_specs=P(*rest),
+        axis_names=set(names),
+        check_vma=False,
+    )(rows)
+
+
+def _typed(x, mesh, spec):
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+    return x
+
+
+def shard_local(
+    local: LocalFn, a: jax.Array, b: jax.Array, plan, ct: Contraction, *, mesh
+) -> tuple[jax.Array, jax.Array]:
+    """``local``'s GEMM and check run by each device on the blocks it holds.
+
+    Args:
+      local: ``(a, b, plan, block) -> (c, counts)``: the GEMM of ``ct`` on (blocks of) ``a``
+        and ``b``, faults injected with ``block.inject``, checked; counts int32 ``[4]``.
+      a, b: the operands, letters ``ct.lhs`` / ``ct.rhs``.
+      plan: the fault plan (a pytree of arrays, replicated) or None.
+      ct: the contraction; its output letters in ``lax.dot_general`` order.
+      mesh: :func:`device_mesh` of the step (None: ``local`` runs on ``a`` and ``b`` as they
+        are, as inside ``shard_map``).
+
+    Returns:
+      ``(c, counts)``: the whole ``C`` and int32 counters: ``[4]`` when ``mesh`` is None, else
+      ``[rows, 4]`` with one row per device (:func:`counter_rows`), to be summed once per step.
+    """
+    dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
+    out_shape = tuple(dims[c] for c in ct.out)
+    if mesh is None:
+        return local(a, b, plan, Block(out_shape))
+    explicit = {
+        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit
+    }
+    if explicit:
+        return _explicit(local, a, b, plan, ct, mesh, explicit, out_shape)
+    return _partitioned(local, a, b, plan, ct, mesh, out_shape)
+
+
+def _explicit(local, a, b, plan, ct, mesh, explicit, out_shape):
+    """A ``shard_map`` over the explicit mesh axes, from the operands' sharding types."""
+    assign = _assign(ct, jax.typeof(a).sharding.spec, jax.typeof(b).sharding.spec, explicit)
+    lhs_spec, rhs_spec = _spec(ct.lhs, assign), _spec(ct.rhs, assign)
+    a = jax.sharding.reshard(a, lhs_spec) if jax.typeof(a).sharding.spec != lhs_spec else a
+    b = jax.sharding.reshard(b, rhs_spec) if jax.typeof(b).sharding.spec != rhs_spec else b
+    plan_spec = jax.tree_util.tree_map(lambda _: P(), plan)
+    names = tuple(n for n in mesh.axis_names if n in explicit)
+
+    def body(a, b, plan):
+        return _run_local(local, ct, assign, names, a, b, plan, out_shape)
+
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(lhs_spec, rhs_spec, plan_spec),
+        out_specs=(_spec(ct.out, assign), P(names)),
+        axis_names=set(names),
+        # The repair loop's carry mixes values varying over different axes; the specs above
+        # say what is sharded.
+        check_vma=False,
+    )(a, b, plan)
+
+
+def _partitioned(local, a, b, plan, ct, abstract_mesh, out_shape):
+    """One ``custom_partitioning`` op: XLA's propagation picks the operands' shardings, and
+    the partition rule lowers the local check under them."""
+    n_devices = abstract_mesh.size
+    leaves, tree = jax.tree_util.tree_flatten(plan)
+
+    def whole(a, b, *leaves):
+        # The op unpartitioned (one device): the whole GEMM checked, counts in row 0.
+        c, counts = local(a, b, jax.tree_util.tree_unflatten(tree, leaves), Block(out_shape))
+        rows = jnp.zeros((n_devices, NUM_COUNTERS), jnp.int32)
+        return c, rows.at[0].set(counts)
+
+    op = custom_partitioning(whole)
+
+    def partition(mesh, arg_shapes, result_shape):
+        if mesh.size != n_devices:
+            raise ValueError(
+                f"sdcguard: a checked GEMM traced for a mesh of {n_devices} devices is "
+                f"partitioned over {mesh.size}; trace the step with its inputs on the mesh "
+                "it runs on"
+            )
+        specs = [s.sharding.spec for s in arg_shapes[:2]]
+        assign = _assign(ct, specs[0], specs[1], set(mesh.axis_names))
+        arg_shardings = (
+            NamedSharding(mesh, _spec(ct.lhs, assign)),
+            NamedSharding(mesh, _spec(ct.rhs, assign)),
+            *(NamedSharding(mesh, P()) for _ in leaves),
+        )
+        out_shardings = (
+            NamedSharding(mesh, _spec(ct.out, assign)),
+            NamedSharding(mesh, P(mesh.axis_names)),
+        )
+
+        def lower(a, b, *leaves):
+            plan = jax.tree_util.tree_unflatten(tree, leaves)
+            return _run_local(local, ct, assign, mesh.axis_names, a, b, plan, out_shape)
+
+        return mesh, lower, out_shardings, arg_shardings
+
+    # Sharding propagation sees the einsum; the counters' device axis is a factor of its own.
+    factor = {c: f"{c}{i}" for i, c in enumerate(sorted(set(ct.lhs + ct.rhs)))}
+    terms = [" ".join(factor[c] for c in ct.lhs), " ".join(factor[c] for c in ct.rhs)]
+    for i, leaf in enumerate(leaves):
+        terms.append(" ".join(f"p{i}_{d}" for d in range(jnp.ndim(leaf))))
+    rule = ", ".join(terms) + " -> " + " ".join(factor[c] for c in ct.out) + ", devices counters"
+    op.def_partition(
+        partition,
+        sharding_rule=rule,
+        reduction_factors=tuple(factor[c] for c in ct.contracted),
+    )
+    return op(a, b, *leaves)
