@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from rich.console import Console
@@ -132,19 +133,85 @@ def _print(result: dict, console: Console) -> None:
     )
 
 
+RUN_STYLES = {"clean": "-", "unprotected": "--", "protected": ":"}
+
+
+class NonFinite(NamedTuple):
+    """Where a run's loss stopped being finite: the figure marks it with a vertical line.
+
+    step: the first step whose loss is NaN or INF.
+    at: the loss of the step before it (where the curve ends), or None for step 0.
+    label: ``'unprotected: loss NaN at step 20'``.
+    """
+
+    step: int
+    at: float | None
+    label: str
+
+
+class DemoFigure(NamedTuple):
+    """What the demo figure draws, as data (a NaN curve draws nothing: ``nonfinite`` marks it).
+
+    curves: loss per run, float ``[steps]``, non-finite values as NaN (drawn as gaps).
+    fault_steps: steps at which a fault was injected (grey lines).
+    nonfinite: per run whose loss became non-finite, where (a line and a label per run).
+    """
+
+    curves: dict[str, np.ndarray]
+    fault_steps: list[int]
+    nonfinite: dict[str, NonFinite]
+
+
+def figure_data(result: dict) -> DemoFigure:
+    """The curves and markers of the demo figure from :func:`run_demo`'s result.
+
+    Example:
+      >>> figure_data(result).nonfinite["unprotected"].label
+      'unprotected: loss NaN at step 20'
+    """
+    curves, nonfinite = {}, {}
+    for name in RUN_STYLES:
+        loss = np.asarray(result["losses"][name], dtype=float)
+        bad = np.flatnonzero(~np.isfinite(loss))
+        if bad.size:
+            step = int(bad[0])
+            what = "NaN" if np.isnan(loss[step]) else "INF"
+            nonfinite[name] = NonFinite(
+                step=step,
+                at=float(loss[step - 1]) if step > 0 else None,
+                label=f"{name}: loss {what} at step {step}",
+            )
+        curves[name] = np.where(np.isfinite(loss), loss, np.nan)
+    return DemoFigure(curves, sorted({f["step"] for f in result["faults"]}), nonfinite)
+
+
 def _plot(result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    figure = figure_data(result)
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, style in (("clean", "-"), ("unprotected", "--"), ("protected", ":")):
-        y = np.asarray(result["losses"][name], dtype=float)
-        y = np.where(np.isfinite(y), y, np.nan)
-        ax.plot(y, style, label=name, linewidth=2)
-    for f in result["faults"]:
-        ax.axvline(f["step"], color="grey", alpha=0.3, linewidth=1)
+    for name, style in RUN_STYLES.items():
+        (line,) = ax.plot(figure.curves[name], style, label=name, linewidth=2)
+        marker = figure.nonfinite.get(name)
+        if marker is not None:
+            # The curve has no point from here on: a line in the run's colour says where it ended.
+            ax.axvline(marker.step, color=line.get_color(), linestyle=style, linewidth=1.5)
+            if marker.at is not None:
+                ax.plot([marker.step - 1], [marker.at], "X", color=line.get_color(), markersize=9)
+            ax.annotate(
+                marker.label,
+                xy=(marker.step, 0.95),
+                xycoords=("data", "axes fraction"),
+                xytext=(4, 0),
+                textcoords="offset points",
+                color=line.get_color(),
+                va="top",
+            )
+    for step in figure.fault_steps:
+        ax.axvline(step, color="grey", alpha=0.3, linewidth=1)
     ax.set_xlabel("step (grey: injected fault)")
     ax.set_ylabel("training loss")
     ax.set_title("Reference GPT under injected attention faults")

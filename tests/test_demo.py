@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sdcguard import cli
-from sdcguard.demo import DemoConfig, _plot, run_demo
+from sdcguard.demo import DemoConfig, _plot, figure_data, run_demo
 from sdcguard.models import GPTConfig
 from sdcguard.training import TrainConfig
 
@@ -31,6 +31,27 @@ def test_plot_is_written(result, tmp_path):
     _plot(result, tmp_path / "demo.png")
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     json.dumps(result)  # the JSON output is plain data
+
+
+def test_figure_marks_where_the_loss_became_nan(result):
+    figure = figure_data(result)
+    # The unprotected curve stops at the fault (NaN draws nothing): a marker says where.
+    assert list(figure.nonfinite) == ["unprotected"]
+    marker = figure.nonfinite["unprotected"]
+    first_bad = int(np.flatnonzero(~np.isfinite(result["losses"]["unprotected"]))[0])
+    assert marker.step == first_bad and 20 <= first_bad <= 21
+    assert marker.label == f"unprotected: loss NaN at step {first_bad}"
+    assert marker.at == result["losses"]["unprotected"][first_bad - 1]
+    assert figure.fault_steps == [20]
+    assert np.isnan(figure.curves["unprotected"][first_bad:]).all()
+
+
+def test_figure_names_inf_and_step_0():
+    losses = {"clean": [1.0, 0.9], "unprotected": [float("inf"), 1.0], "protected": [1.0, 0.9]}
+    figure = figure_data({"losses": losses, "faults": []})
+    assert figure.nonfinite["unprotected"].label == "unprotected: loss INF at step 0"
+    assert figure.nonfinite["unprotected"].at is None
+    assert "clean" not in figure.nonfinite and "protected" not in figure.nonfinite
 
 
 def test_bad_steps_is_refused():
