@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import warnings
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -37,6 +38,11 @@ from sdcguard.sites import ATTENTION_SITES, GEMM_SITES, site_name
 
 class UncheckedAttentionWarning(UserWarning):
     """A protected layer runs an attention core it cannot check (a custom ``attention_fn``)."""
+
+
+class PallasFallbackWarning(UserWarning):
+    """``ABFTConfig(implementation='pallas')``, but the fused flash-attention kernel cannot run
+    this call (a feature it lacks): the attention core runs unfused, checked all the same."""
 
 
 def site_config(config: ABFTConfig, site: str) -> ABFTConfig:
@@ -201,6 +207,30 @@ def protected_attention(
         )
     groups = heads // kv_heads
     depth = query.shape[-1]
+    if recorder.config.resolved_implementation() == "pallas":
+        dropout = not deterministic and dropout_rate > 0.0
+        unsupported = _flash_unsupported(query, value, bias, groups, dropout, sow)
+        if unsupported is None:
+            return _flash_core(
+                query,
+                key,
+                value,
+                mask,
+                recorder=recorder,
+                precision=None if jax_nn_arithmetic else precision,
+                jax_nn_arithmetic=jax_nn_arithmetic,
+            )
+        feature, remedy = unsupported
+        # One warning per layer (the warnings registry shows each text once per location).
+        warnings.warn(
+            f"{'/'.join(recorder.path)}: ABFTConfig(implementation='pallas') cannot run this "
+            f"attention core through the fused flash-attention kernel: it does not support "
+            f"{feature}. The scores, probs and context run unfused instead (each GEMM through "
+            f"the Pallas GEMM kernel, the softmax checked by its rows: same sites, counters and "
+            f"fault plans). To use the fused kernel, {remedy}.",
+            PallasFallbackWarning,
+            stacklevel=3,
+        )
     if jax_nn_arithmetic:
         logits_dtype = jnp.promote_types(dtype, jnp.float32)
         scale = jnp.asarray(1.0 / np.sqrt(depth), logits_dtype)
@@ -263,6 +293,117 @@ def protected_attention(
         "context", "...hgqk,...khd->...qhgd", p5, value, precision=precision, lhs_nonnegative=True
     )
     return context.reshape(*context.shape[:-3], heads, context.shape[-1])
+
+
+# dtypes the fused kernel is tested with (interpret mode here, Triton lowering for CUDA).
+_FLASH_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _flash_unsupported(query, value, bias, groups, dropout, sow) -> tuple[str, str] | None:
+    """``(feature, what to do)`` when the fused kernel cannot serve this call, else None."""
+    if bias is not None:
+        return "an additive attention bias", "fold the bias into a boolean mask or drop it"
+    if dropout:
+        return (
+            "dropout on the attention weights",
+            "set dropout_rate=0 (or deterministic=True) for the attention weights",
+        )
+    if sow is not None:
+        return (
+            "sowing the attention weights (it never materialises them)",
+            "set sow_weights=False",
+        )
+    if groups > 1:
+        return (
+            "grouped key/value heads",
+            "give key and value as many heads as the query",
+        )
+    if value.shape[-1] != query.shape[-1]:
+        return (
+            f"a value head dimension ({value.shape[-1]}) other than the query's "
+            f"({query.shape[-1]})",
+            "use one head dimension for query, key and value",
+        )
+    if query.dtype not in _FLASH_DTYPES:
+        return (
+            f"dtype {query.dtype}",
+            "compute attention in float32, bfloat16 or float16",
+        )
+    if query.ndim < 3:
+        return "inputs without a head axis", "pass [batch..., length, heads, head_dim]"
+    return None
+
+
+def _flash_mask(mask, batch_shape, heads, tq, tk):
+    """``mask`` (broadcastable to ``[batch..., heads, tq, tk]``) as bool ``[B or 1, heads or 1,
+    tq or 1, tk or 1]`` with the batch axes flattened, as the kernel takes it."""
+    mask = jnp.asarray(mask)
+    full = (*batch_shape, heads, tq, tk)
+    if jnp.broadcast_shapes(mask.shape, full) != full:
+        raise ValueError(f"mask {mask.shape} does not broadcast to {full}")
+    # Nonzero attends, as in Flax's jnp.where(mask, ...) (masks may be float 0/1).
+    mask = mask.astype(bool).reshape((1,) * (len(full) - mask.ndim) + mask.shape)
+    lead = mask.shape[: len(batch_shape)]
+    if all(n == 1 for n in lead):
+        return mask.reshape(1, *mask.shape[len(batch_shape) :])
+    mask = jnp.broadcast_to(mask, (*batch_shape, *mask.shape[len(batch_shape) :]))
+    return mask.reshape(-1, *mask.shape[len(batch_shape) :])
+
+
+def _flash_block_sizes(tq: int, tk: int):
+    """Tiles no larger than the (power-of-two rounded) sequence, between 16 and 64/32."""
+    from sdcguard.pallas import flash
+
+    def fit(n, cap):
+        return max(16, min(cap, flash.next_pow2(n)))
+
+    return flash.BlockSizes(
+        block_q=fit(tq, 64),
+        block_k=fit(tk, 64),
+        block_q_dkv=fit(tq, 32),
+        block_k_dkv=fit(tk, 32),
+        block_q_dq=fit(tq, 32),
+        block_k_dq=fit(tk, 32),
+    )
+
+
+def _flash_core(query, key, value, mask, *, recorder, precision, jax_nn_arithmetic):
+    """The attention core through :func:`sdcguard.pallas.flash.flash_attention`.
+
+    The kernel sees what the XLA path's sites see: the ``scores`` check runs on the query as
+    the scores einsum would take it (Flax: scaled by 1/sqrt(d) first; ``jax.nn``: scaled after
+    QKᵀ, in float32), so fault plans address the same elements and the counters agree.
+    """
+    from sdcguard.pallas import flash  # lazy: Pallas is a heavy import
+
+    batch_shape = query.shape[:-3]
+    tq, heads, depth = query.shape[-3:]
+    tk = key.shape[-3]
+    if mask is not None:
+        mask = _flash_mask(mask, batch_shape, heads, tq, tk)
+    if jax_nn_arithmetic:
+        sm_scale = 1.0 / float(np.sqrt(depth))
+    else:
+        query = query / jnp.sqrt(depth).astype(query.dtype)
+        sm_scale = 1.0
+    # Batch axes flattened (row-major, so a fault's flat index is unchanged), or one added.
+    q, k, v = (x.reshape(-1, *x.shape[-3:]) for x in (query, key, value))
+    sink = jnp.stack([recorder.sink("scores"), recorder.sink("context")])
+    out, counts = flash.flash_attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        sm_scale=sm_scale,
+        config=recorder.config,
+        path="/".join(recorder.path),
+        sink=sink,
+        precision=precision,
+        block_sizes=_flash_block_sizes(tq, tk),
+    )
+    for i, site in enumerate(flash.FORWARD_SITES):
+        recorder.add(site, counts[i])
+    return out.reshape(*batch_shape, tq, heads, depth)
 
 
 def _current_linen_module():

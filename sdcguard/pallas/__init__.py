@@ -7,9 +7,11 @@
   inside the fused forward and backward kernels.
 
 On a backend without a GPU every kernel runs in interpret mode (``interpret=None`` picks it):
-slow, for testing.
+slow, for testing. :func:`interpret_mode` overrides that choice for the code traced inside it
+(e.g. ``interpret_mode(False)`` to lower for CUDA from a machine without a GPU).
 """
 
+from sdcguard.pallas._common import interpret_mode
 from sdcguard.pallas.flash import attention_reference, flash_attention
 from sdcguard.pallas.matmul import checked_contraction, checked_matmul, checked_matmul_reference
 from sdcguard.pallas.verify import (
@@ -27,6 +29,7 @@ __all__ = [
     "checked_matmul_reference",
     "encode",
     "flash_attention",
+    "interpret_mode",
     "verify_and_correct",
     "verify_and_correct_reference",
 ]

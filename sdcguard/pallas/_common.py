@@ -7,6 +7,9 @@ tiles), so the same code runs in interpret mode on the CPU and compiles for CUDA
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import jax
@@ -17,9 +20,40 @@ from jax import lax
 from sdcguard import abft, inject
 from sdcguard.sites import NEAR_INF, FaultKind, site_id
 
+_INTERPRET: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "sdcguard_pallas_interpret", default=None
+)
+
+
+@contextlib.contextmanager
+def interpret_mode(interpret: bool | None) -> Iterator[None]:
+    """Sets how kernels called with ``interpret=None`` run while code is traced in the block.
+
+    The protected layers call the kernels with ``interpret=None``; this is how a caller picks
+    for them: ``False`` compiles through Triton even where the default backend is not a GPU
+    (to lower for CUDA from a CPU-only machine), ``True`` interprets on a GPU (to debug),
+    ``None`` restores the default (interpret unless the default backend is a GPU).
+
+    The choice is read when a function is *traced*: ``jax.jit`` reuses an earlier trace of
+    the same function object, so trace a fresh function (or one not traced before) inside.
+
+    Example:
+      >>> with interpret_mode(False):
+      ...     jax.jit(lambda x: layer.apply(variables, x)).trace(x).lower(
+      ...         lowering_platforms=("cuda",))
+    """
+    token = _INTERPRET.set(None if interpret is None else bool(interpret))
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(token)
+
 
 def resolve_interpret(interpret: bool | None) -> bool:
-    """``None`` means: interpret unless the default backend is a GPU (Triton needs one)."""
+    """``None`` means: as set by :func:`interpret_mode`, else interpret unless the default
+    backend is a GPU (Triton needs one)."""
+    if interpret is None:
+        interpret = _INTERPRET.get()
     if interpret is None:
         return jax.default_backend() != "gpu"
     return bool(interpret)

@@ -654,7 +654,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def zero_sink() -> jax.Array:
-    """Backward-counter sink: float32 ``[2, 2, 3]`` zeros.
+    """Backward-counter sink: float32 ``[2, 2, NUM_COUNTERS]`` zeros.
 
     Its gradient is ``[[scores.grad_lhs, scores.grad_rhs], [context.grad_lhs,
     context.grad_rhs]]`` counts: each ``[2, 3]`` half has the layout of
@@ -691,15 +691,16 @@ def flash_attention(
         safety, near_inf.
       path: the attention module path; sites are ``f"{path}:scores"`` etc.
       plan: faults to inject (default: the plan set by :func:`sdcguard.inject.faults`).
-      sink: float32 ``[2, 2, 3]`` whose gradient receives the backward counters (see
+      sink: float32 ``[2, 2, NUM_COUNTERS]`` whose gradient receives the backward counters (see
         :func:`zero_sink`).
       precision: MMA precision (None: TF32 for float32 on GPU, accounted for in the bound).
       block_sizes: tiles.
       interpret: interpret mode (default: when not on a GPU).
 
     Returns:
-      ``(out, counts)``: ``out [B, Tq, H, D]`` and int32 ``[3, 3]`` counts
-      (rows ``scores, probs, context``; columns ``detected, corrected, uncorrectable``).
+      ``(out, counts)``: ``out [B, Tq, H, D]`` and int32 ``[3, NUM_COUNTERS]`` counts
+      (rows ``scores, probs, context``; columns those of :class:`sdcguard.abft.Counts`; the
+      kernels count a non-finite input as uncorrectable, never as ``nonfinite_input``).
     """
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(f"want q [B, Tq, H, D], k = v [B, Tk, H, D]; got {q.shape}, {k.shape}")
