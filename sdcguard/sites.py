@@ -102,6 +102,41 @@ def is_output_site(name: str) -> bool:
     return site == OUTPUT or (site.startswith(OUTPUT + ".") and site[len(OUTPUT) + 1 :].isdigit())
 
 
+SITE_CLASSES = ("attention", "projection", "mlp", "head", "output", "other")
+_PROJECTIONS = ("query", "key", "value", "out", "qkv", "proj", "o_proj", "q_proj", "k_proj")
+
+
+def site_class(name: str) -> str:
+    """What part of a transformer a site is in, from its name.
+
+    ``output`` (a module output), ``attention`` (the score and context GEMMs and the softmax:
+    ``attn:scores``, ``attn:dot_product_attention_weights``), ``projection`` (the query, key,
+    value and output projections of an attention layer), ``mlp`` (under a module named
+    ``mlp``), ``head`` (the output head or the embedding used as one: ``embed.attend``,
+    ``head``, ``lm_head``, ``logits``), else ``other``. Backward sites share their forward
+    site's class.
+
+    Example:
+      >>> site_class("GPT/decoder/block_0/attn/query:dot_general.grad_rhs")
+      'projection'
+    """
+    if is_output_site(name):
+        return "output"
+    path, site = split_site(name)
+    site = site.split(".grad_")[0]
+    parts = path.split("/")
+    if any(p.startswith(("embed.attend", "head", "lm_head", "logits")) for p in parts):
+        return "head"
+    if any(p == "mlp" or p.startswith("mlp") for p in parts):
+        return "mlp"
+    if any("attn" in p or "attention" in p for p in parts):
+        last = parts[-1]
+        if site in _PROJECTIONS or last in _PROJECTIONS:
+            return "projection"
+        return "attention"
+    return "other"
+
+
 def backward_site_names(forward_site: str) -> tuple[str, str]:
     """The two gradient-GEMM sites of a forward GEMM site."""
     return tuple(forward_site + s for s in GRAD_SUFFIXES)  # type: ignore[return-value]

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from sdcguard import abft as abft_lib
-from sdcguard import inject, linen
+from sdcguard import inject, linen, transform
 from sdcguard.abft import NUM_COUNTERS, ABFTConfig
 from sdcguard.in_place import apply_if
 from sdcguard.models import (
@@ -40,8 +40,11 @@ from sdcguard.optim import GuardState
 from sdcguard.triage import with_triage
 
 UNCHECKED = ABFTConfig(sites=())  # layers swapped, injection points live, nothing checked
+# The same for `coverage="every_gemm"`: every GEMM an injection point, none checked.
+UNCHECKED_GEMMS = ABFTConfig(include=())
 MODEL_KINDS = ("gpt", "encoder")
 REPAIRS = ("in_place", "recompute")
+COVERAGES = ("attention", "every_gemm")
 # The module holding the blocks of each model kind: attention sites are
 # ``{stack}/block_{i}/attn:...``.
 STACK_NAMES = {"gpt": "decoder", "encoder": "encoder"}
@@ -60,8 +63,10 @@ class StepOutput(NamedTuple):
     loss: float32 scalar, before the update.
     grad_norm: float32 scalar, global L2 norm of the parameter gradients.
     counts: int32 ``[NUM_COUNTERS]`` totals forward + backward (see :class:`sdcguard.abft.Counts`).
-    sdc: the ``'sdc'`` collection (forward counters per layer).
-    sink_grads: gradient of the ``'sdc_grad'`` collection (backward counters per layer).
+    sdc: the ``'sdc'`` collection (forward counters per layer); with
+      ``coverage="every_gemm"``, the report of :func:`sdcguard.checked` (site -> counters).
+    sink_grads: gradient of the ``'sdc_grad'`` collection (backward counters per layer);
+      empty with ``coverage="every_gemm"`` (the report holds the backward sites too).
     """
 
     loss: jax.Array
@@ -84,8 +89,15 @@ class TrainConfig:
       batch_size: sequences per batch.
       learning_rate: Adam learning rate.
       seed: parameter seed (data seed is ``seed`` too).
-      abft: protection of the attention layers: None (plain Flax layers, no injection
-        points), ``UNCHECKED`` (injection points, no checks) or an ABFTConfig.
+      abft: the checks: None (plain Flax layers, no injection points), ``UNCHECKED``
+        (attention injection points, no checks), ``UNCHECKED_GEMMS`` (every GEMM an injection
+        point, none checked; with ``coverage="every_gemm"``) or an ABFTConfig.
+      coverage: what is checked. ``attention``: the attention layers, swapped for the
+        protected drop-ins by :func:`sdcguard.linen.protect` (sites
+        ``decoder/block_0/attn:scores``...). ``every_gemm``: every floating-point GEMM of
+        the loss and its gradients, forward and backward, by :func:`sdcguard.checked` on the
+        plain model (sites ``GPT/decoder/block_0/mlp/fc_in:dot_general``... as
+        :func:`sdcguard.list_sites` names them; ``abft.include``/``exclude`` select them).
       output_sites: module-output sites (``decoder/block_0/mlp:output`` ...) where the fault
         plan can inject (see :func:`sdcguard.inject.module_outputs`); others compile to nothing.
       repair: how a detected error is corrected (with ``abft.correct``). ``in_place``: each
@@ -118,6 +130,7 @@ class TrainConfig:
     output_sites: tuple[str, ...] = ()
     repair: str = "in_place"
     triage: bool = True
+    coverage: str = "attention"
 
     def __post_init__(self):
         object.__setattr__(self, "output_sites", tuple(self.output_sites))
@@ -133,6 +146,8 @@ class TrainConfig:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.repair not in REPAIRS:
             raise ValueError(f"repair must be one of {list(REPAIRS)}, got {self.repair!r}")
+        if self.coverage not in COVERAGES:
+            raise ValueError(f"coverage must be one of {list(COVERAGES)}, got {self.coverage!r}")
 
     @property
     def stack_name(self) -> str:
@@ -174,6 +189,28 @@ def model_output_sites(config: TrainConfig) -> dict[str, tuple[int, ...]]:
     model = build_model(config)
     tokens = jnp.zeros((1, config.model.seq_len), jnp.int32)
     return inject.output_sites(lambda: model.init(jax.random.key(0), tokens))
+
+
+def gemm_sites(config: TrainConfig) -> list[str]:
+    """Every floating-point GEMM site of the model's loss and gradients (batch 1), as
+    :func:`sdcguard.checked` names them with ``coverage="every_gemm"``: forward, then backward.
+
+    Traces only (nothing runs).
+    """
+    model = build_model(config)
+    task_loss = objective(config)
+    params = jax.eval_shape(lambda: init_params(model, config.seed))
+    batch = jax.ShapeDtypeStruct((1, config.model.seq_len + 1), jnp.int32)
+
+    def loss_and_grads(params, batch):
+        return jax.value_and_grad(
+            lambda p: task_loss(lambda t: model.apply({"params": p}, t), batch, 0)
+        )(params)
+
+    sites = transform.list_sites(loss_and_grads, params, batch)
+    forward = [s.name for s in sites if s.direction == "forward" and s.checked]
+    backward = [s.name for s in sites if s.direction != "forward" and s.checked]
+    return forward + backward
 
 
 def _check_output_sites(config: TrainConfig) -> None:
@@ -244,13 +281,15 @@ def make_train_step(
     params = init_params(model, config.seed)
     state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
     protected = config.abft is not None
-    sinks = _sinks(model, config.model) if protected else {}
+    drop_ins = protected and config.coverage == "attention"
+    whole_step = protected and config.coverage == "every_gemm"
+    sinks = _sinks(model, config.model) if drop_ins else {}
 
     def loss_fn(params, sinks, batch, plan, step, abft):
         sdc = {}
 
         def apply(tokens):
-            if not protected:
+            if not drop_ins:
                 return model.apply({"params": params}, tokens)
             logits, updated = model.apply(
                 {"params": params, "sdc_grad": sinks}, tokens, mutable=["sdc"]
@@ -261,9 +300,9 @@ def make_train_step(
         with contextlib.ExitStack() as stack:
             if hit_log is not None:
                 stack.enter_context(inject.recording_hits(hit_log))
-            if protected or config.output_sites:
+            if drop_ins or config.output_sites:
                 stack.enter_context(inject.faults(plan))
-            if protected:
+            if drop_ins:
                 stack.enter_context(linen.protect(abft))
             if config.output_sites:
                 stack.enter_context(inject.module_outputs(config.output_sites))
@@ -272,18 +311,31 @@ def make_train_step(
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
 
-    def advance(state, batch, plan, abft):
+    def gradients(state, batch, plan, abft):
+        """``(loss, grads, counts, sdc, sink_grads)`` of one step, checked as configured."""
         with contextlib.ExitStack() as stack:
             if hit_log is not None:  # backward sites are traced after loss_fn returns
                 stack.enter_context(inject.recording_hits(hit_log))
+            if whole_step:
+                # The transform injects at its GEMM sites while it evaluates the step.
+                stack.enter_context(inject.faults(plan))
+                checked_grads = transform.checked(grad_fn, abft)
+                ((loss, _), (grads, _)), report = checked_grads(
+                    state.params, sinks, batch, plan, state.step, abft
+                )
+                return loss, grads, transform.total(report), report, {}
             (loss, sdc), (grads, sink_grads) = grad_fn(
                 state.params, sinks, batch, plan, state.step, abft
             )
         counts = (
             linen.total_counts(sdc, sink_grads)
-            if protected
+            if drop_ins
             else jnp.zeros((NUM_COUNTERS,), jnp.int32)
         )
+        return loss, grads, counts, sdc, sink_grads
+
+    def advance(state, batch, plan, abft):
+        loss, grads, counts, sdc, sink_grads = gradients(state, batch, plan, abft)
         updates, opt_state = optimizer.update(
             grads,
             state.opt_state,
@@ -316,7 +368,11 @@ def make_train_step(
 
     def one_step(state: TrainState, batch: jax.Array, plan: inject.FaultPlan):
         plan = plan.at_step(state.step)
-        if protected and config.repair == "recompute" and config.abft.correct:
+        recompute = protected and config.repair == "recompute" and config.abft.correct
+        if recompute and whole_step:
+            # The transform owns the gradients: it recomputes them itself on a detection.
+            return advance(state, batch, plan, dataclasses.replace(config.abft, recompute=True))
+        if recompute:
             return recomputed_if_detected(state, batch, plan)
         return advance(state, batch, plan, config.abft)
 

@@ -379,6 +379,11 @@ class _Evaluator:
         lhs, rhs = invals
         why = _why_unchecked(eqn.invars[0].aval.dtype, name, self.config)
         params = eqn.primitive.get_bind_params(eqn.params)
+        if why == "excluded":
+            # A fault strikes a GEMM whether or not it is checked: an unchecked site keeps its
+            # injection point (a campaign's unprotected baseline is ``include=()``).
+            out = eqn.primitive.bind(lhs, rhs, **params)
+            return inject.apply(out, inject.active_plan(like=out), name), {}
         if why:
             return eqn.primitive.bind(lhs, rhs, **params), {}
         # One stored value of each operand for the GEMM and its checksums (see abft._as_stored).
@@ -547,7 +552,8 @@ class _Evaluator:
 
 
 def _is_array(x) -> bool:
-    return isinstance(x, jax.Array | np.ndarray | np.generic)
+    # ShapeDtypeStruct: list_sites traces abstract arguments (make_jaxpr takes them as is).
+    return isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
 
 
 def _trace(fn, args, kwargs):

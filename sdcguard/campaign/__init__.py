@@ -51,6 +51,7 @@ from rich.progress import (
 
 from sdcguard.campaign.config import (
     CLASSES,
+    COVERAGES,
     DEFAULT_KINDS,
     DEFAULT_PROTECTIONS,
     DTYPE_ALIASES,
@@ -248,7 +249,14 @@ def _refuse_other_grids(config: CampaignConfig, done: dict[str, dict], path: Pat
 
 
 # The sources whose behaviour a campaign measures: results name the code that produced them.
-_MEASURED_SOURCES = ("abft.py", "attention.py", "linen.py", "inject.py", "training.py")
+_MEASURED_SOURCES = (
+    "abft.py",
+    "attention.py",
+    "linen.py",
+    "inject.py",
+    "training.py",
+    "transform.py",
+)
 
 
 def source_fingerprint() -> dict[str, Any]:
@@ -317,6 +325,14 @@ def register(subparsers) -> None:
         help="gpt: decoder, next-byte loss; encoder: bidirectional, masked-byte loss",
     )
     p.add_argument(
+        "--coverage",
+        choices=COVERAGES,
+        default=d.coverage,
+        help="what ABFT checks and where faults go: the attention layers, or every GEMM of "
+        "the step (attention, projections, MLP, head; forward and backward) under "
+        "sdcguard.checked (default: %(default)s)",
+    )
+    p.add_argument(
         "--layers", type=int, default=d.model.num_layers, help="transformer blocks (%(default)s)"
     )
     p.add_argument("--d-model", type=int, default=d.model.d_model, help="model width (%(default)s)")
@@ -334,9 +350,10 @@ def register(subparsers) -> None:
         nargs="*",
         default=[],
         help="site names or patterns ('*' within one path component, '**' across, as for "
-        "every --sites of sdcguard): attention sites (fwd and bwd, e.g. "
-        "'decoder/block_0/attn:scores.grad_lhs') and module outputs (forward, e.g. "
-        "'decoder/block_*/mlp:output'); default: every attention site. Parameter sites "
+        "every --sites of sdcguard): GEMM sites of the coverage (fwd and bwd, e.g. "
+        "'decoder/block_0/attn:scores.grad_lhs', or with --coverage every_gemm "
+        "'GPT/**/mlp/*'), and module outputs (forward, e.g. "
+        "'decoder/block_*/mlp:output'); default: every GEMM site of the coverage. Parameter sites "
         "('...:kernel.grad') are injected by sdcguard compare/record only",
     )
     p.add_argument(
@@ -439,6 +456,7 @@ def config_from_args(args: argparse.Namespace) -> CampaignConfig:
     return CampaignConfig(
         model=model,
         model_kind=args.model,
+        coverage=args.coverage,
         batch_size=args.batch_size,
         sites=tuple(args.sites),
         include_outputs=args.output_sites,

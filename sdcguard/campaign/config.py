@@ -16,7 +16,14 @@ from sdcguard.sites import (
     site_pattern,  # the one pattern grammar of every --sites (sdcguard.sites)
     split_site,
 )
-from sdcguard.training import MODEL_KINDS, STACK_NAMES, TrainConfig, model_output_sites
+from sdcguard.training import (
+    COVERAGES,
+    MODEL_KINDS,
+    STACK_NAMES,
+    TrainConfig,
+    gemm_sites,
+    model_output_sites,
+)
 
 PROTECTIONS = ("off", "abft", "abft+guard", "abft-recompute")
 DEFAULT_PROTECTIONS = ("off", "abft", "abft+guard")
@@ -49,10 +56,15 @@ class CampaignConfig:
         ``encoder`` (bidirectional, masked-byte prediction; sites ``encoder/block_{i}/...``).
       batch_size: sequences per batch.
       learning_rate: Adam learning rate.
-      sites: site names or patterns (:func:`site_pattern`) to inject into: attention sites
-        (forward and backward, ``decoder/block_0/attn:scores.grad_lhs``) and module outputs
-        (``decoder/block_0/mlp:output``, forward only); empty means every attention site of
-        every layer. Each must name or match a site of the model.
+      coverage: what ABFT checks and where faults are injected. ``attention``: the protected
+        attention layers (sites ``decoder/block_0/attn:scores``...). ``every_gemm``: every
+        floating-point GEMM of the step, forward and backward, under :func:`sdcguard.checked`
+        (sites ``GPT/decoder/block_0/mlp/fc_in:dot_general.grad_rhs``...: attention,
+        projections, MLP and the output head).
+      sites: site names or patterns (:func:`site_pattern`) to inject into: GEMM sites of the
+        coverage (forward and backward, ``decoder/block_0/attn:scores.grad_lhs``) and module
+        outputs (``decoder/block_0/mlp:output``, forward only); empty means every GEMM site
+        of the coverage. Each must name or match a site of the model.
       include_outputs: also inject at every block's and every MLP's output
         (:data:`OUTPUT_GROUPS`), after the sites above.
       kinds: fault kinds (see :data:`sdcguard.sites.FAULT_KINDS`).
@@ -64,7 +76,7 @@ class CampaignConfig:
       dtype: computation dtype of the trials, ``fp32`` or ``bf16`` (``float32`` and
         ``bfloat16`` are accepted and stored as the short names).
       protections: protection levels to run, each one configuration (one compilation):
-        ``off`` (injection points, no checks), ``abft``, ``abft+guard`` (ABFT and the Optax
+        ``off`` (the same injection points, no checks), ``abft``, ``abft+guard`` (ABFT and the Optax
         update guard, fed the loss and ABFT's uncorrectable count); opt-in
         ``abft-recompute`` (detect-only checks, a step with a detection recomputed under
         in-place repair: ``TrainConfig(repair="recompute")``).
@@ -86,6 +98,7 @@ class CampaignConfig:
 
     model: GPTConfig = GPTConfig()
     model_kind: str = "gpt"
+    coverage: str = "attention"
     batch_size: int = 8
     learning_rate: float = 3e-3
     sites: tuple[str, ...] = ()
@@ -123,6 +136,8 @@ class CampaignConfig:
             raise ValueError(
                 f"model_kind must be one of {list(MODEL_KINDS)}, got {self.model_kind!r}"
             )
+        if self.coverage not in COVERAGES:
+            raise ValueError(f"coverage must be one of {list(COVERAGES)}, got {self.coverage!r}")
         for site in self.sites:
             name = split_site(site)[1]
             if name.startswith("output") and ".grad" in name:
@@ -163,8 +178,15 @@ class CampaignConfig:
         return STACK_NAMES[self.model_kind]
 
     def valid_sites(self) -> list[str]:
-        """Every site of the model: attention sites (fwd and bwd), then module outputs."""
-        return [*self.attention_sites(), *_output_sites(self.model, self.model_kind)]
+        """Every site of the model: the coverage's GEMM sites (fwd and bwd), then module
+        outputs."""
+        return [*self.gemm_sites(), *_output_sites(self.model, self.model_kind)]
+
+    def gemm_sites(self) -> list[str]:
+        """The GEMM sites of the coverage: attention sites, or every GEMM of the step."""
+        if self.coverage == "every_gemm":
+            return list(_every_gemm_sites(self.model, self.model_kind))
+        return self.attention_sites()
 
     def attention_sites(self) -> list[str]:
         return [
@@ -183,7 +205,7 @@ class CampaignConfig:
 
     @functools.cached_property
     def _sites(self) -> tuple[str, ...]:
-        patterns = list(self.sites) or self.attention_sites()
+        patterns = list(self.sites) or self.gemm_sites()
         if self.include_outputs:
             patterns += [g.format(stack=self.stack_name) for g in OUTPUT_GROUPS]
         valid = self.valid_sites()
@@ -196,7 +218,7 @@ class CampaignConfig:
                 hint = (
                     " (parameter sites such as 'path:kernel.grad' or 'path:kernel.update' are "
                     "injected by `sdcguard compare --inject-b` and `sdcguard record --inject`; "
-                    "a campaign injects at attention sites and module outputs)"
+                    "a campaign injects at GEMM sites and module outputs)"
                     if site.endswith((".grad", ".update"))
                     else ""
                 )
@@ -227,11 +249,19 @@ class CampaignConfig:
             "value": self.value,
             "seed": self.seed,
             "protection": protection,
+            # Only when not the default, so the trials of attention campaigns keep their keys.
+            **({"coverage": self.coverage} if self.coverage != "attention" else {}),
             "warmup": self.warmup,
             "steps_after": self.steps_after,
             "spike_rel": self.spike_rel,
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def _every_gemm_sites(model: GPTConfig, model_kind: str) -> tuple[str, ...]:
+    """The GEMM sites of the whole step under :func:`sdcguard.checked` (traced, cached)."""
+    return tuple(gemm_sites(TrainConfig(model=model, model_kind=model_kind)))
 
 
 @functools.cache

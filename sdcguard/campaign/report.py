@@ -13,7 +13,7 @@ from rich.table import Table
 
 from sdcguard.campaign.config import CLASSES, PROTECTIONS
 from sdcguard.campaign.studies import PROPAGATION_TENSORS
-from sdcguard.sites import is_output_site
+from sdcguard.sites import is_output_site, site_class
 
 # ATTNChecker's fixed detection threshold: an injected error |new - old| above it is one the
 # paper's method would flag; sdcguard's round-off bound is far tighter on these layers.
@@ -35,7 +35,7 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
         every = [r for r in records if r["protection"] == prot]
         if not every:
             continue
-        recs = [r for r in every if r.get("site_type", "attention") == "attention"]
+        recs = [r for r in every if r.get("site_type", "attention") != "output"]
         cells: dict[str, dict[str, Any]] = {}
         for r in every:
             cells.setdefault(f"{r['site']}|{r['kind']}", []).append(r)
@@ -58,6 +58,7 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
                 **{c: _rate([r["class"] == c for r in v]) for c in CLASSES},
             }
         out[prot] = {
+            "per_class": _per_class(recs),
             "trials": len(recs),
             "classes": {c: _rate([r["class"] == c for r in recs]) for c in CLASSES},
             "detection_rate": _rate([r["detected"] for r in recs]),
@@ -100,6 +101,55 @@ def summarize(records: Sequence[dict]) -> dict[str, Any]:
                 if not r["detected"]
             ]
     return out
+
+
+def _per_class(recs: Sequence[dict]) -> dict[str, dict[str, Any]]:
+    """Detection and correction per site class (attention, projection, MLP, head),
+    direction and kind: ``"mlp|backward|nan" -> {n, detected, corrected, ...}``."""
+    cells: dict[str, list[dict]] = {}
+    for r in recs:
+        cls = r.get("site_class") or site_class(r["site"])
+        cells.setdefault(f"{cls}|{r['direction']}|{r['kind']}", []).append(r)
+    return {
+        k: {
+            "n": len(v),
+            "detected": _rate([r["detected"] for r in v]),
+            "corrected": _rate([r["corrected"] for r in v]),
+            **{c: _rate([r["class"] == c for r in v]) for c in CLASSES},
+        }
+        for k, v in sorted(cells.items())
+    }
+
+
+def _per_class_lines(summ: dict) -> list[str]:
+    protected = {p: s for p, s in summ.items() if s.get("per_class")}
+    if not protected:
+        return []
+    kinds = sorted({k.split("|")[2] for s in protected.values() for k in s["per_class"]})
+    lines = [
+        "",
+        "## 3a. Per site class and direction",
+        "",
+        "Detected / corrected per fault kind, over every site of the class (attention: the "
+        "score and context GEMMs; projection: query, key, value and output projections; mlp; "
+        "head: the output head). Unprotected: the non-trainable fraction.",
+        "",
+        "| protection | class | direction | trials | " + " | ".join(kinds) + " |",
+        "|---|---|---|---:|" + "---:|" * len(kinds),
+    ]
+    for prot, s in protected.items():
+        groups = sorted({tuple(k.split("|")[:2]) for k in s["per_class"]})
+        for cls, direction in groups:
+            cells = [s["per_class"].get(f"{cls}|{direction}|{kd}") for kd in kinds]
+            n = sum(c["n"] for c in cells if c)
+            if prot == "off":
+                text = [_pct(c["non_trainable"]) if c else "" for c in cells]
+            else:
+                text = [
+                    f"{_pct(c['detected'])} / {_pct(c['corrected'])}" if c else "" for c in cells
+                ]
+            lines.append(f"| {prot} | {cls} | {direction} | {n} | " + " | ".join(text) + " |")
+    return lines
 
 
 def _delta(r: dict) -> float | None:
@@ -336,6 +386,7 @@ def markdown(result: dict) -> str:
             ] or ["- none"]
         lines += ["", f"Uncorrectable trials: {len(s['uncorrectable'])}"]
         lines += [f"- `{k}`" for k in s["uncorrectable"][:50]]
+    lines += _per_class_lines(summ)
     lines += _per_bit_lines(summ)
     lines += _output_site_lines(summ)
     lines += ["", "## 4. False positives (clean ABFT-checked training)", ""]
@@ -348,7 +399,7 @@ def markdown(result: dict) -> str:
         for fp in fps:
             lines.append(
                 f"| {fp['dtype']} | {fp['steps']} | {fp['checked_gemms']} | "
-                f"{fp['checked_matrices']} | {fp['alarms']} |"
+                f"{fp['checked_matrices'] or '-'} | {fp['alarms']} |"
             )
         lines += [
             "",
@@ -456,5 +507,6 @@ def _print(result: dict, console: Console) -> None:
     for fp in result["false_positives"]:
         console.print(
             f"false positives {fp['dtype']}: {fp['alarms']} alarms in "
-            f"{fp['checked_gemms']} checked GEMMs ({fp['checked_matrices']} matrices)"
+            f"{fp['checked_gemms']} checked GEMMs"
+            + (f" ({fp['checked_matrices']} matrices)" if fp.get("checked_matrices") else "")
         )

@@ -155,18 +155,24 @@ def false_positives(config: CampaignConfig, dtype: str, steps: int) -> dict[str,
         state, out = step(state, jnp.asarray(data.batch(i)), plan)
         alarms.append(out.counts)
     alarms = np.asarray(jax.device_get(alarms)).reshape(-1, NUM_COUNTERS)
-    # Per layer and step: 6 forward GEMMs, 12 backward GEMMs; softmax rows are checked apart.
-    gemms_per_step = m.num_layers * 3 * len(GEMM_SITES)
-    b, length, h, hd = config.batch_size, m.seq_len, m.num_heads, m.d_model // m.num_heads
-    del hd
-    # scores and context (and their 4 gradient GEMMs) are b*h matrices each; projections are 1.
-    matrices_per_step = m.num_layers * (3 * 4 + 3 * 2 * b * h)
+    b, length, h = config.batch_size, m.seq_len, m.num_heads
+    if config.coverage == "every_gemm":
+        # Every GEMM site of the step, forward and backward (the report has one entry each).
+        gemms_per_step = len(config.gemm_sites())
+        matrices_per_step = softmax_per_step = None
+    else:
+        # Per layer and step: 6 forward GEMMs, 12 backward; softmax rows are checked apart.
+        gemms_per_step = m.num_layers * 3 * len(GEMM_SITES)
+        # scores and context (and their 4 gradient GEMMs) are b*h matrices; projections 1.
+        matrices_per_step = m.num_layers * (3 * 4 + 3 * 2 * b * h)
+        softmax_per_step = m.num_layers * b * h * length
     return {
         "dtype": dtype,
+        "coverage": config.coverage,
         "steps": steps,
         "checked_gemms": steps * gemms_per_step,
-        "checked_matrices": steps * matrices_per_step,
-        "softmax_checks": steps * m.num_layers * b * h * length,
+        "checked_matrices": None if matrices_per_step is None else steps * matrices_per_step,
+        "softmax_checks": None if softmax_per_step is None else steps * softmax_per_step,
         "alarm_steps": int((alarms[:, 0] > 0).sum()),
         "alarms": int(alarms[:, 0].sum()),
         "seconds": round(time.perf_counter() - t0, 2),

@@ -22,14 +22,22 @@ from sdcguard.abft import NUM_COUNTERS, ABFTConfig
 from sdcguard.campaign.config import CampaignConfig, CampaignFileError
 from sdcguard.inject import Fault, FaultPlan
 from sdcguard.models import ByteBatches, GPTConfig
-from sdcguard.sites import is_output_site
-from sdcguard.training import UNCHECKED, TrainConfig, TrainState, make_train_step
+from sdcguard.sites import is_output_site, site_class
+from sdcguard.training import (
+    UNCHECKED,
+    UNCHECKED_GEMMS,
+    TrainConfig,
+    TrainState,
+    make_train_step,
+)
 
 # --- The training step of one configuration ----------------------------------------------------
 
 
-def _abft_config(protection: str) -> ABFTConfig:
-    return UNCHECKED if protection == "off" else ABFTConfig()
+def _abft_config(protection: str, coverage: str) -> ABFTConfig:
+    if protection == "off":
+        return UNCHECKED_GEMMS if coverage == "every_gemm" else UNCHECKED
+    return ABFTConfig()
 
 
 def make_step(
@@ -39,13 +47,16 @@ def make_step(
     learning_rate: float,
     seed: int,
     model_kind: str = "gpt",
+    coverage: str = "attention",
     output_sites: Sequence[str] = (),
     hit_log: inject.HitLog | None = None,
 ) -> tuple[TrainState, Callable]:
     """Initial state and the jitted :func:`sdcguard.training.make_train_step` of one
     configuration; with ``abft+guard`` the optimizer is wrapped in the update guard (the step
     passes it the loss and ABFT's uncorrectable count), with ``abft-recompute`` a step with a
-    detection is recomputed under in-place repair. ``output_sites`` are the module outputs
+    detection is recomputed under in-place repair. ``coverage`` is the attention layers or
+    every GEMM of the step (:class:`sdcguard.training.TrainConfig`). ``output_sites`` are the
+    module outputs
     armed for injection; ``hit_log`` receives every fault that fires."""
     optimizer = optax.adam(learning_rate)
     if protection == "abft+guard":
@@ -56,8 +67,9 @@ def make_step(
         model=model_config,
         learning_rate=learning_rate,
         seed=seed,
-        abft=_abft_config(protection),
+        abft=_abft_config(protection, coverage),
         model_kind=model_kind,
+        coverage=coverage,
         output_sites=tuple(output_sites),
         repair="recompute" if protection == "abft-recompute" else "in_place",
     )
@@ -85,9 +97,12 @@ def make_fault(config: CampaignConfig, site: str, kind: str, trial: int) -> Faul
     return Fault(site=site, kind=kind, seed=tseed, step=config.warmup, bit=bit, value=value)
 
 
-def _site_counter(site: str, sdc, sink_grads) -> list[int]:
-    counts = linen.site_counts(sdc)
-    counts.update(linen.backward_site_counts(sink_grads))
+def _site_counter(site: str, sdc, sink_grads, coverage: str) -> list[int]:
+    if coverage == "every_gemm":
+        counts = dict(sdc)  # the report of sdcguard.checked: site -> counters
+    else:
+        counts = linen.site_counts(sdc)
+        counts.update(linen.backward_site_counts(sink_grads))
     return [int(c) for c in counts.get(site, np.zeros(NUM_COUNTERS))]
 
 
@@ -127,6 +142,7 @@ class _Runner:
             learning_rate=config.learning_rate,
             seed=config.seed,
             model_kind=config.model_kind,
+            coverage=config.coverage,
             output_sites=config.output_sites(),
             hit_log=self.hits,
         )
@@ -175,7 +191,7 @@ class _Runner:
             FaultPlan.from_faults([fault], capacity=1)
         )
         injected = self._injected(site)
-        site_c = _site_counter(site, sdc, sg)
+        site_c = _site_counter(site, sdc, sg, self.config.coverage)
         cls, excess = classify(losses, self.clean_losses, params_finite, self.config.spike_rel)
         drift = _rel_l2(params, self.clean_params)
         return {
@@ -188,7 +204,13 @@ class _Runner:
             "kind": kind,
             "trial": trial,
             "direction": "backward" if ".grad_" in site else "forward",
-            "site_type": "output" if is_output_site(site) else "attention",
+            # A GEMM site of the coverage ("attention" layers or "gemm": every GEMM), or a
+            # module output (not a GEMM: ABFT never checks it there).
+            "site_type": "output"
+            if is_output_site(site)
+            else ("gemm" if self.config.coverage == "every_gemm" else "attention"),
+            "site_class": site_class(site),
+            "coverage": self.config.coverage,
             "seed": fault.seed,
             "bit": fault.bit if kind == "bitflip" else None,
             "fault_step": self.config.warmup,
