@@ -716,6 +716,18 @@ def check_softmax_rows(
     Example:
       >>> probs, counts = check_softmax_rows(probs, scores, jax.nn.softmax, ABFTConfig())
     """
+    from sdcguard import sharding  # sdcguard.sharding imports this module
+
+    local = functools.partial(_check_softmax_rows_local, softmax=softmax, config=config)
+    mesh = sharding.device_mesh(probs, scores) if probs.shape == scores.shape else None
+    if mesh is None:
+        return local(probs, scores)
+    # Each device checks the rows it holds (sdcguard.sharding); counters summed here.
+    probs, counts = sharding.shard_rows(local, probs, scores, mesh=mesh)
+    return probs, sharding.sum_rows(counts, mesh)
+
+
+def _check_softmax_rows_local(probs, scores, *, softmax, config):
     k = probs.shape[-1]
     p32 = probs.astype(jnp.float32)
     # Each element is rounded once (relative u_out, weighted by p: sums to u_out), plus the
@@ -829,11 +841,14 @@ def _gemm(st: _Static, ct: Contraction, a, b, plan, site: str, check: bool, lhs_
     # einsum's order only after the repair loop: a transposed GEMM output entering the loop
     # would be copied into the loop's layout (4 copies of 2 MB per layer of the bench GPT).
     stored = _in_dot_order(ct)
-    c = _dot(st, stored, a, b)
-    c = inject.apply(c, plan, site, axes=tuple(ct.out.index(x) for x in stored.out))
-    counts = zero_counts()
-    if check:
-        c, counts = check_contraction(
+    site_axes = tuple(ct.out.index(x) for x in stored.out)
+
+    def local(a, b, plan, block):
+        # The GEMM each device computes, on the blocks it holds (sdcguard.sharding).
+        c = block.inject(_dot(st, stored, a, b), plan, site, site_axes)
+        if not check:
+            return c, zero_counts()
+        return check_contraction(
             c,
             a,
             b,
@@ -842,6 +857,15 @@ def _gemm(st: _Static, ct: Contraction, a, b, plan, site: str, check: bool, lhs_
             precision=st.precision,
             lhs_nonnegative=lhs_nonnegative,
         )
+
+    from sdcguard import sharding  # sdcguard.sharding imports this module
+
+    mesh = sharding.device_mesh(a, b) if check or plan is not None else None
+    c, counts = sharding.shard_local(local, a, b, plan, stored, mesh=mesh)
+    if mesh is not None:
+        # One row per device, summed here: a tiny all-reduce that depends on nothing but the
+        # checks, so XLA can combine those of the whole step (scripts/bench_sharding.py).
+        counts = sharding.sum_rows(counts, mesh)
     return jnp.transpose(c, [stored.out.index(x) for x in ct.out]), counts
 
 

@@ -39,6 +39,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax._src.interpreters import batching  # BatchTracer: no public name in jax 0.10
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -52,6 +53,7 @@ __all__ = [
     "counter_rows",
     "device_mesh",
     "shard_local",
+    "shard_rows",
     "sum_rows",
     "zero_rows",
 ]
@@ -112,7 +114,24 @@ def _inject_block(c, plan, site, axes, block: Block):
     return inject._straight_through(c, flat.at[stored].set(new, mode="drop").reshape(c.shape))
 
 
-LocalFn = Callable[[jax.Array, jax.Array, object, Block], tuple[jax.Array, jax.Array]]
+LocalFn = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    """The letters of a checked operation: of each operand, of the output, those summed over
+    (each device's partial result is checked, then summed), and those that must stay whole."""
+
+    terms: tuple[str, ...]
+    out: str
+    summed: str = ""
+    whole: str = ""
+
+    def out_shape(self, operands) -> tuple[int, ...]:
+        dims = {}
+        for term, x in zip(self.terms, operands, strict=True):
+            dims.update(zip(term, x.shape, strict=True))
+        return tuple(dims[c] for c in self.out)
 
 
 def _mesh_of(*xs):
@@ -120,6 +139,10 @@ def _mesh_of(*xs):
     ctx = jax.sharding.get_abstract_mesh()
     if ctx.manual_axes:
         return None  # inside shard_map / pmap: the data here is the device's own
+    if any(isinstance(x, batching.BatchTracer) for x in xs):
+        # Under jax.vmap the check is traced for one example; custom_partitioning has no
+        # batching rule, so the batched check is left to XLA's partitioner (correct, not local).
+        return None
     for x in xs:
         mesh = jax.typeof(x).sharding.mesh
         if not mesh.empty and mesh.size > 1:
@@ -135,16 +158,16 @@ def _spec_axes(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _assign(ct: Contraction, lhs_spec, rhs_spec, allowed) -> dict[str, tuple[str, ...]]:
-    """Mesh axes of each letter of ``ct``: the lhs's sharding of it, else the rhs's, each mesh
-    axis used by one letter only (a conflicting operand is resharded to agree)."""
+def _assign(op: _Op, specs, allowed) -> dict[str, tuple[str, ...]]:
+    """Mesh axes of each letter of ``op``: the first operand's sharding of it, else the next's;
+    each mesh axis used by one letter only (a conflicting operand is resharded to agree)."""
     used: set[str] = set()
     out: dict[str, tuple[str, ...]] = {}
-    for term, spec in ((ct.lhs, lhs_spec), (ct.rhs, rhs_spec)):
+    for term, spec in zip(op.terms, specs, strict=True):
         spec = tuple(spec) + (None,) * (len(term) - len(tuple(spec)))
         for letter, entry in zip(term, spec, strict=True):
             axes = tuple(a for a in _spec_axes(entry) if a in allowed)
-            if letter in out or not axes or used & set(axes):
+            if letter in out or letter in op.whole or not axes or used & set(axes):
                 continue
             out[letter] = axes
             used |= set(axes)
@@ -155,39 +178,44 @@ def _spec(term: str, assign) -> P:
     return P(*[assign.get(c) or None for c in term])
 
 
-def _local_block(ct: Contraction, assign, axes, local_out_shape, global_out_shape) -> Block:
+def _local_block(op: _Op, assign, axes, local_out_shape, global_out_shape) -> Block:
     """This device's :class:`Block`, from its indices along the mesh ``axes`` (traced).
 
     A fault hits one device: among those that compute partial sums of the same block (sharded
     contraction) or the same block whole (mesh axes the GEMM is replicated over), the first.
     """
     offsets = []
-    for letter, n in zip(ct.out, local_out_shape, strict=True):
+    for letter, n in zip(op.out, local_out_shape, strict=True):
         on = assign.get(letter)
         offsets.append(jax.lax.axis_index(on) * n if on else 0)
-    out_axes = {a for c in ct.out for a in assign.get(c, ())}
+    out_axes = {a for c in op.out for a in assign.get(c, ())}
     others = tuple(a for a in axes if a not in out_axes)
     owner = jax.lax.axis_index(others) == 0 if others else True
     return Block(tuple(global_out_shape), tuple(offsets), owner)
 
 
-def _run_local(local: LocalFn, ct, assign, axes, a, b, plan, global_out_shape):
-    """The device's GEMM and check, then the sum over the contracted mesh axes."""
-    local_out = [
-        (a.shape[ct.lhs.index(c)] if c in ct.lhs else b.shape[ct.rhs.index(c)]) for c in ct.out
-    ]
-    block = _local_block(ct, assign, axes, local_out, global_out_shape)
-    c, counts = local(a, b, plan, block)
-    reduced = tuple(x for letter in ct.contracted for x in assign.get(letter, ()))
-    if reduced:
-        c = jax.lax.psum(c, reduced)
-    return c, counts[None]
+def _run_local(local: LocalFn, op: _Op, assign, axes, operands, plan, global_out_shape):
+    """The device's operation and check, then the sum over the summed letters' mesh axes."""
+    block = _local_block(op, assign, axes, op.out_shape(operands), global_out_shape)
+    out, counts = local(*operands, plan, block)
+    summed = tuple(x for letter in op.summed for x in assign.get(letter, ()))
+    if summed:
+        out = jax.lax.psum(out, summed)
+    return out, counts[None]
 
 
 def device_mesh(*xs: jax.Array):
     """The mesh ``xs`` are sharded over (an ``AbstractMesh`` of more than one device), or None
-    inside ``shard_map`` / ``pmap`` (every value there is a device's own) and when unsharded."""
+    inside ``shard_map`` / ``pmap`` (every value there is a device's own), under ``vmap``, and
+    when unsharded."""
     return _mesh_of(*xs)
+
+
+def _counter_axes(mesh) -> tuple[str, ...]:
+    explicit = tuple(
+        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit
+    )
+    return explicit or tuple(mesh.axis_names)
 
 
 def counter_rows(mesh) -> tuple[int, P]:
@@ -197,11 +225,10 @@ def counter_rows(mesh) -> tuple[int, P]:
     return math.prod(mesh.shape[n] for n in names), P(names)
 
 
-def _counter_axes(mesh) -> tuple[str, ...]:
-    explicit = tuple(
-        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit
-    )
-    return explicit or tuple(mesh.axis_names)
+def _typed(x, mesh, spec):
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+    return x
 
 
 def as_rows(counts: jax.Array, mesh) -> jax.Array:
@@ -220,7 +247,11 @@ def zero_rows(mesh) -> jax.Array:
 
 def sum_rows(rows: jax.Array, mesh) -> jax.Array:
     """``rows`` (``[rows, ...]`` per-device counters over ``mesh``) summed over the devices:
-    the one all-reduce of the step's counters, each device adding the row it holds."""
+    one all-reduce, each device adding the row it holds.
+
+    Example:
+      >>> report = sum_rows(jnp.concatenate(all_site_rows, axis=1), mesh)
+    """
     n, spec = counter_rows(mesh)
     if rows.shape[0] != n:
         return jnp.sum(rows, axis=0)
@@ -234,12 +265,6 @@ def sum_rows(rows: jax.Array, mesh) -> jax.Array:
         axis_names=set(names),
         check_vma=False,
     )(rows)
-
-
-def _typed(x, mesh, spec):
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
-        return jax.sharding.reshard(x, NamedSharding(mesh, spec))
-    return x
 
 
 def shard_local(
@@ -260,90 +285,112 @@ def shard_local(
       ``(c, counts)``: the whole ``C`` and int32 counters: ``[4]`` when ``mesh`` is None, else
       ``[rows, 4]`` with one row per device (:func:`counter_rows`), to be summed once per step.
     """
-    dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
-    out_shape = tuple(dims[c] for c in ct.out)
+    op = _Op((ct.lhs, ct.rhs), ct.out, summed=ct.contracted)
+    return _shard(local, op, (a, b), plan, mesh)
+
+
+def shard_rows(local: Callable, x: jax.Array, y: jax.Array, *, mesh) -> tuple[jax.Array, jax.Array]:
+    """``local(x, y) -> (x', counts)``, a check of each last-axis row of ``x`` (``y`` of the
+    same shape: what the rows are recomputed from), run by each device on the rows it holds.
+
+    Returns:
+      As :func:`shard_local`: ``x'`` and ``[4]`` or ``[rows, 4]`` counters.
+    """
+    letters = "abcdefghijklmnopqrstuvwxyz"[: x.ndim]
+    op = _Op((letters, letters), letters, whole=letters[-1])
+    return _shard(lambda x, y, plan, block: local(x, y), op, (x, y), None, mesh)
+
+
+def _shard(local, op: _Op, operands, plan, mesh):
+    out_shape = op.out_shape(operands)
     if mesh is None:
-        return local(a, b, plan, Block(out_shape))
+        return local(*operands, plan, Block(out_shape))
     explicit = {
         n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit
     }
     if explicit:
-        return _explicit(local, a, b, plan, ct, mesh, explicit, out_shape)
-    return _partitioned(local, a, b, plan, ct, mesh, out_shape)
+        return _explicit(local, op, operands, plan, mesh, explicit, out_shape)
+    return _partitioned(local, op, operands, plan, mesh, out_shape)
 
 
-def _explicit(local, a, b, plan, ct, mesh, explicit, out_shape):
+def _explicit(local, op: _Op, operands, plan, mesh, explicit, out_shape):
     """A ``shard_map`` over the explicit mesh axes, from the operands' sharding types."""
-    assign = _assign(ct, jax.typeof(a).sharding.spec, jax.typeof(b).sharding.spec, explicit)
-    lhs_spec, rhs_spec = _spec(ct.lhs, assign), _spec(ct.rhs, assign)
-    a = jax.sharding.reshard(a, lhs_spec) if jax.typeof(a).sharding.spec != lhs_spec else a
-    b = jax.sharding.reshard(b, rhs_spec) if jax.typeof(b).sharding.spec != rhs_spec else b
+    # An axis of size 1 splits nothing (and a sum over it would be a collective of one device).
+    allowed = {n for n in explicit if mesh.shape[n] > 1}
+    assign = _assign(op, [jax.typeof(x).sharding.spec for x in operands], allowed)
+    specs = [_spec(term, assign) for term in op.terms]
+    operands = [
+        jax.sharding.reshard(x, s) if jax.typeof(x).sharding.spec != s else x
+        for x, s in zip(operands, specs, strict=True)
+    ]
     plan_spec = jax.tree_util.tree_map(lambda _: P(), plan)
     names = tuple(n for n in mesh.axis_names if n in explicit)
 
-    def body(a, b, plan):
-        return _run_local(local, ct, assign, names, a, b, plan, out_shape)
+    def body(operands, plan):
+        return _run_local(local, op, assign, names, operands, plan, out_shape)
 
     return jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(lhs_spec, rhs_spec, plan_spec),
-        out_specs=(_spec(ct.out, assign), P(names)),
+        in_specs=(specs, plan_spec),
+        out_specs=(_spec(op.out, assign), P(names)),
         axis_names=set(names),
         # The repair loop's carry mixes values varying over different axes; the specs above
         # say what is sharded.
         check_vma=False,
-    )(a, b, plan)
+    )(list(operands), plan)
 
 
-def _partitioned(local, a, b, plan, ct, abstract_mesh, out_shape):
+def _partitioned(local, op: _Op, operands, plan, abstract_mesh, out_shape):
     """One ``custom_partitioning`` op: XLA's propagation picks the operands' shardings, and
     the partition rule lowers the local check under them."""
     n_devices = abstract_mesh.size
     leaves, tree = jax.tree_util.tree_flatten(plan)
+    n = len(op.terms)
 
-    def whole(a, b, *leaves):
-        # The op unpartitioned (one device): the whole GEMM checked, counts in row 0.
-        c, counts = local(a, b, jax.tree_util.tree_unflatten(tree, leaves), Block(out_shape))
+    def whole(*args):
+        # The op unpartitioned (one device): the whole check, counts in row 0.
+        plan = jax.tree_util.tree_unflatten(tree, args[n:])
+        out, counts = local(*args[:n], plan, Block(out_shape))
         rows = jnp.zeros((n_devices, NUM_COUNTERS), jnp.int32)
-        return c, rows.at[0].set(counts)
+        return out, rows.at[0].set(counts)
 
-    op = custom_partitioning(whole)
+    cp = custom_partitioning(whole)
 
     def partition(mesh, arg_shapes, result_shape):
         if mesh.size != n_devices:
             raise ValueError(
-                f"sdcguard: a checked GEMM traced for a mesh of {n_devices} devices is "
-                f"partitioned over {mesh.size}; trace the step with its inputs on the mesh "
-                "it runs on"
+                f"sdcguard: a check traced for a mesh of {n_devices} devices is partitioned "
+                f"over {mesh.size}; trace the step with its inputs on the mesh it runs on"
             )
-        specs = [s.sharding.spec for s in arg_shapes[:2]]
-        assign = _assign(ct, specs[0], specs[1], set(mesh.axis_names))
+        allowed = {a for a in mesh.axis_names if mesh.shape[a] > 1}
+        assign = _assign(op, [s.sharding.spec for s in arg_shapes[:n]], allowed)
         arg_shardings = (
-            NamedSharding(mesh, _spec(ct.lhs, assign)),
-            NamedSharding(mesh, _spec(ct.rhs, assign)),
+            *(NamedSharding(mesh, _spec(term, assign)) for term in op.terms),
             *(NamedSharding(mesh, P()) for _ in leaves),
         )
         out_shardings = (
-            NamedSharding(mesh, _spec(ct.out, assign)),
+            NamedSharding(mesh, _spec(op.out, assign)),
             NamedSharding(mesh, P(mesh.axis_names)),
         )
 
-        def lower(a, b, *leaves):
-            plan = jax.tree_util.tree_unflatten(tree, leaves)
-            return _run_local(local, ct, assign, mesh.axis_names, a, b, plan, out_shape)
+        def lower(*args):
+            plan = jax.tree_util.tree_unflatten(tree, args[n:])
+            return _run_local(local, op, assign, mesh.axis_names, args[:n], plan, out_shape)
 
         return mesh, lower, out_shardings, arg_shardings
 
     # Sharding propagation sees the einsum; the counters' device axis is a factor of its own.
-    factor = {c: f"{c}{i}" for i, c in enumerate(sorted(set(ct.lhs + ct.rhs)))}
-    terms = [" ".join(factor[c] for c in ct.lhs), " ".join(factor[c] for c in ct.rhs)]
+    letters = sorted(set("".join(op.terms)))
+    factor = {c: f"{c}{i}" for i, c in enumerate(letters)}
+    terms = [" ".join(factor[c] for c in term) for term in op.terms]
     for i, leaf in enumerate(leaves):
         terms.append(" ".join(f"p{i}_{d}" for d in range(jnp.ndim(leaf))))
-    rule = ", ".join(terms) + " -> " + " ".join(factor[c] for c in ct.out) + ", devices counters"
-    op.def_partition(
+    rule = ", ".join(terms) + " -> " + " ".join(factor[c] for c in op.out) + ", devices counters"
+    cp.def_partition(
         partition,
         sharding_rule=rule,
-        reduction_factors=tuple(factor[c] for c in ct.contracted),
+        reduction_factors=tuple(factor[c] for c in op.summed),
+        need_replication_factors=tuple(factor[c] for c in op.whole),
     )
-    return op(a, b, *leaves)
+    return cp(*operands, *leaves)
