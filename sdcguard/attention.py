@@ -8,6 +8,18 @@ counters. :func:`dot_product_attention` has the signature of
 Sites (in execution order): ``query, key, value`` (projections, checked by the Flax layers),
 ``scores`` (QKᵀ), ``probs`` (softmax, rows sum to 1), ``context`` (probs·V), ``out`` (output
 projection). Grouped KV heads (fewer key/value heads than query heads) are supported.
+
+With ``ABFTConfig(implementation='pallas')`` the core (``scores``, ``probs``, ``context``, and
+their backward GEMMs) runs in the fused flash-attention kernel
+(:func:`sdcguard.pallas.flash.flash_attention`): the same sites, counters, backward-counter
+sinks and fault plans, the checks done in its tiles. A call the kernel cannot serve (an
+additive bias, attention dropout, sown attention weights, grouped KV heads, a value head size
+other than the query's, a dtype other than float32/bfloat16/float16) runs unfused instead, each
+GEMM through the checked Pallas GEMM kernel, with one :class:`PallasFallbackWarning` per layer
+naming the feature and what to change. Differences of the kernel: a non-finite input counts as
+``uncorrectable`` (not ``nonfinite_input``; the update guard refuses both), errors are located
+per tile rather than per matrix (see :mod:`sdcguard.pallas.flash`), and forward-mode autodiff
+(``jax.jvp``) is not supported.
 """
 
 from __future__ import annotations
@@ -186,7 +198,8 @@ def protected_attention(
         ``kv_heads`` (grouped KV heads).
       value: ``[batch..., kv_len, kv_heads, v_dim]``.
       bias, mask: broadcastable to ``[batch..., heads, q_len, kv_len]``.
-      recorder: receives the counters of each site.
+      recorder: receives the counters of each site; its ``config.implementation`` picks the
+        XLA path or the fused Pallas kernel (see the module docstring).
       sow: optional callable receiving the attention weights (Flax's ``sow_weights``).
 
     Returns:
