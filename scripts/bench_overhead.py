@@ -8,6 +8,12 @@ process; an overhead is the median over rounds of the per-round ratio to the unp
     python scripts/bench_overhead.py --size default  # the tiny default GPT
     python scripts/bench_overhead.py --per-site      # each site alone, and fwd vs fwd+bwd
     python scripts/bench_overhead.py --step-only --rounds 41  # more rounds of the step alone
+    python scripts/bench_overhead.py --whole-step    # every GEMM checked by sdcguard.checked
+
+``--whole-step`` times whole training steps under :func:`sdcguard.checked` (every GEMM, forward
+and backward, in place / detect only / recompute on detection; attention only; and each site
+class alone: attention, projections, MLP, head) on the reference GPT (``--size``) and on a linen
+LM written the way Flax's examples write one (4 layers, d 256, MLP 1024, seq 256).
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 from rich.console import Console
 from rich.table import Table
 from timing import interleaved, overheads, per_call
 
+import sdcguard
 from sdcguard import linen as sl
 from sdcguard.abft import ABFTConfig
 from sdcguard.inject import FaultPlan
@@ -105,6 +113,116 @@ def attention_fns(model: GPTConfig, batch_size: int) -> dict:
     return fns
 
 
+# --whole-step: sdcguard.checked over the whole step; each class alone by its site names.
+WHOLE_STEP_VARIANTS = {
+    "unprotected": None,
+    "every GEMM, in place": ABFTConfig(),
+    "every GEMM, detect only": ABFTConfig(correct=False),
+    "every GEMM, recompute on detection": ABFTConfig(recompute=True),
+    "attention only (scores, context), in place": ABFTConfig(include=("*attn:*",)),
+    "class: attention (scores, context)": ABFTConfig(include=("*attn:*",), correct=False),
+    "class: projections (q, k, v, out)": ABFTConfig(
+        include=tuple(f"*attn/{p}:*" for p in ("query", "key", "value", "out")), correct=False
+    ),
+    "class: MLP": ABFTConfig(include=("*mlp/*",), correct=False),
+    "class: head": ABFTConfig(include=("*head*", "*embed.attend*"), correct=False),
+}
+
+
+class MlpBlock(nn.Module):
+    mlp_dim: int
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = nn.with_logical_partitioning(nn.initializers.xavier_uniform(), ("embed", "mlp"))
+        h = nn.gelu(nn.Dense(self.mlp_dim, kernel_init=kernel, name="wi")(x))
+        kernel = nn.with_logical_partitioning(nn.initializers.xavier_uniform(), ("mlp", "embed"))
+        return nn.Dense(x.shape[-1], kernel_init=kernel, name="wo")(h)
+
+
+class Block(nn.Module):
+    heads: int
+    mlp_dim: int
+
+    @nn.compact
+    def __call__(self, x):
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+        x = x + nn.SelfAttention(num_heads=self.heads, deterministic=True, name="attn")(
+            nn.LayerNorm()(x), mask=mask
+        )
+        return x + MlpBlock(self.mlp_dim, name="mlp")(nn.LayerNorm()(x))
+
+
+class FlaxExampleLM(nn.Module):
+    """A decoder LM as Flax's examples write one (Dense, SelfAttention, Embed, a Dense head)."""
+
+    vocab: int = 256
+    d: int = 256
+    heads: int = 4
+    mlp_dim: int = 1024
+    layers: int = 4
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.d, name="embed")(tokens)
+        for i in range(self.layers):
+            x = Block(self.heads, self.mlp_dim, name=f"block_{i}")(x)
+        return nn.DenseGeneral(self.vocab, name="head")(nn.LayerNorm()(x))
+
+
+def _compiled(step, args, variants: dict) -> dict:
+    fns = {}
+    for name, abft in variants.items():
+        if abft is not None:  # a pattern that selects nothing would time the plain step
+            checked = [s for s in sdcguard.list_sites(step, *args, config=abft) if s.checked]
+            if not checked:
+                raise SystemExit(f"variant {name!r} selects no GEMM site")
+        fn = step if abft is None else sdcguard.checked(step, abft)
+        compiled = jax.jit(fn).lower(*args).compile()
+        # The report is an output: a check whose result nobody reads would be compiled away.
+        fns[name] = lambda c=compiled: c(*args)
+    return fns
+
+
+def whole_step_gpt_fns(model: GPTConfig, batch_size: int) -> dict:
+    """The reference GPT's Adam step (loss, gradients, update) as one function."""
+    config = TrainConfig(model=model, batch_size=batch_size, abft=None)
+    state, _ = make_train_step(config)
+    from sdcguard.models import GPT, lm_loss
+
+    net, tx = GPT(model), optax.adam(config.learning_rate)
+    batch = jnp.asarray(ByteBatches(batch_size=batch_size, seq_len=model.seq_len).batch(0))
+
+    def step(params, opt_state, batch):
+        def loss_fn(p):
+            return lm_loss(net.apply({"params": p}, batch[:, :-1]), batch[:, 1:])
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return _compiled(step, (state.params, state.opt_state, batch), WHOLE_STEP_VARIANTS)
+
+
+def whole_step_linen_lm_fns(model: GPTConfig, batch_size: int) -> dict:
+    """The Flax-example LM (4 layers, d 256, MLP 1024, seq 256), Adam."""
+    del model
+    net, tx = FlaxExampleLM(), optax.adam(1e-3)
+    tokens = jax.random.randint(jax.random.key(0), (batch_size, 257), 0, 256)
+    params = nn.unbox(net.init(jax.random.key(1), tokens[:, :-1]))["params"]
+
+    def step(params, opt_state, tokens):
+        def loss_fn(p):
+            logits = net.apply({"params": p}, tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return _compiled(step, (params, tx.init(params), tokens), WHOLE_STEP_VARIANTS)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="bench")
@@ -116,6 +234,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--step-only", action="store_true", help="time the training step, not attention alone"
+    )
+    parser.add_argument(
+        "--whole-step",
+        action="store_true",
+        help="whole training steps under sdcguard.checked: the GPT and a Flax-example LM",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -129,9 +252,19 @@ def main() -> None:
         workloads = [
             ("training step", lambda m, b: train_step_fns(m, b, PER_SITE_VARIANTS)),
         ]
-    out = args.out or Path(
-        "runs/bench_overhead_per_site.json" if args.per_site else "runs/bench_overhead.json"
+    if args.whole_step:
+        workloads = [
+            (f"{args.size} GPT step, every GEMM", whole_step_gpt_fns),
+            ("Flax-example LM step (4 x d256, MLP 1024)", whole_step_linen_lm_fns),
+        ]
+    default_out = (
+        "runs/bench_overhead_whole_step.json"
+        if args.whole_step
+        else "runs/bench_overhead_per_site.json"
+        if args.per_site
+        else "runs/bench_overhead.json"
     )
+    out = args.out or Path(default_out)
     for what, make in workloads:
         with console.status(f"compiling {what} variants"):
             fns = make(model, args.batch_size)

@@ -62,6 +62,11 @@ def tiny() -> ReplayTask:
     )
 
 
+def tiny_gemms() -> ReplayTask:
+    """``tiny`` with every GEMM an injection point (``TinyMLP/b:dot_general.grad_rhs``...)."""
+    return ReplayTask(**{**_fields(tiny()), "gemm_sites": True})
+
+
 def printing() -> ReplayTask:
     """``tiny``, printing 100 KB to stdout when built and a line per batch: more than a pipe
     holds, so a parent that read only the trace would deadlock on it."""

@@ -327,3 +327,30 @@ def test_nnx_task_replays_and_detects(tmp_path):
     )
     assert (c.first_divergence.level, c.first_divergence.module) == ("submodule", "model")
     assert c.trajectory["grad_noise_to_signal_synced"][1] == 0  # the fault was at step 0 only
+
+
+def test_gemm_sites_of_any_model_are_listed_and_injected(tmp_path, capsys):
+    """``ReplayTask(gemm_sites=True)``: every GEMM (forward and backward) is a site, named as
+    sdcguard.checked names it; a fault at a backward GEMM is blamed on its module."""
+    task = "tests.replay_tasks:tiny_gemms"
+    assert command.main(["sites", "--task", task]) == 0
+    sites = capsys.readouterr().out.split()
+    for s in ("TinyMLP/a:dot_general", "TinyMLP/b:dot_general.grad_rhs", "a:output"):
+        assert s in sites
+    site = "TinyMLP/a:dot_general.grad_rhs"
+    c = compare_nodes(
+        CompareOptions(
+            record=RecordOptions(task=task),
+            inject_b=(f"site={site},kind=scale,value=2,index=0,step=0",),
+            workdir=str(tmp_path),
+        )
+    )
+    assert not c.identical
+    # The GEMM computing a's kernel gradient: no forward output changes, that gradient does.
+    d = c.first_divergence
+    assert (d.level, d.name, d.direction, d.module) == (
+        "submodule",
+        "a:kernel.grad",
+        "backward",
+        "a",
+    )

@@ -109,7 +109,8 @@ def _per_class(recs: Sequence[dict]) -> dict[str, dict[str, Any]]:
     cells: dict[str, list[dict]] = {}
     for r in recs:
         cls = r.get("site_class") or site_class(r["site"])
-        cells.setdefault(f"{cls}|{r['direction']}|{r['kind']}", []).append(r)
+        direction = r.get("direction") or ("backward" if ".grad_" in r["site"] else "forward")
+        cells.setdefault(f"{cls}|{direction}|{r['kind']}", []).append(r)
     return {
         k: {
             "n": len(v),

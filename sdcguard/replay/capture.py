@@ -312,6 +312,25 @@ def _hooked(task: ReplayTask, hooks: Hooks, plan):
         yield
 
 
+def _gemm_sites(task: ReplayTask, fn, plan):
+    """``fn`` with every floating-point GEMM an injection point of ``plan`` when the task asks
+    for it (``ReplayTask.gemm_sites``): :func:`sdcguard.checked` with nothing selected checks
+    nothing and keeps the injection points, named by module path."""
+    if not task.gemm_sites:
+        return fn
+    from sdcguard import transform
+    from sdcguard.abft import ABFTConfig
+
+    unchecked = transform.checked(fn, ABFTConfig(include=()))
+
+    def run(*args):
+        with inject.faults(plan):  # the transform injects while it evaluates the program
+            out, _ = unchecked(*args)
+        return out
+
+    return run
+
+
 def _forward(task: ReplayTask, params, batch, step, hooks: Hooks, plan):
     with _hooked(task, hooks, plan):
         out = task.model.apply(
@@ -360,7 +379,7 @@ class Programs:
         def loss_fn(p):
             return _forward(task, p, batch, plan.current_step, Hooks(plan), plan)
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+        loss, grads = _gemm_sites(task, jax.value_and_grad(loss_fn), plan)(params)
         grads = _inject_tree(grads, plan, ".grad")
         updates, new_opt_state = task.optimizer.update(grads, opt_state, params)
         updates = _inject_tree(updates, plan, ".update")
@@ -418,9 +437,8 @@ class Programs:
             loss = _forward(task, p, batch, plan.current_step, hooks, plan)
             return loss, hooks.records
 
-        (loss, fwd), (param_grads, bwd) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-            params, sinks
-        )
+        grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+        (loss, fwd), (param_grads, bwd) = _gemm_sites(task, grad_fn, plan)(params, sinks)
         return loss, fwd, bwd, param_grads
 
     def capture_args(self, params, batch, refs_fwd=None, refs_bwd=None):

@@ -51,6 +51,10 @@ class ReplayTask:
         pinned: ``fold_in(key(seed), step)``.
       protect_attention: route ``nn.MultiHeadDotProductAttention`` through sdcguard's attention
         (no checks) so attention-internal sites (``...attn:scores`` etc.) can be injected.
+      gemm_sites: make every floating-point GEMM of the loss and its gradients an injection
+        point (no checks), named as :func:`sdcguard.checked` names it
+        (``GPT/decoder/block_0/mlp/fc_in:dot_general.grad_rhs``): faults at MLP, projection
+        and head GEMMs, forward and backward, for any model.
       name: shown in reports.
     """
 
@@ -65,6 +69,7 @@ class ReplayTask:
     apply_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     rng_collections: tuple[str, ...] = ()
     protect_attention: bool = True
+    gemm_sites: bool = False
     name: str = "task"
 
     def __post_init__(self):
@@ -140,11 +145,17 @@ def save_params(directory: str, params) -> None:
 
 
 def reference_task(
-    *, steps: int = 3, seed: int = 0, checkpoint: str | None = None, batch_size: int = 4
+    *,
+    steps: int = 3,
+    seed: int = 0,
+    checkpoint: str | None = None,
+    batch_size: int = 4,
+    gemm_sites: bool = False,
 ) -> ReplayTask:
     """The built-in task: the tiny reference GPT, Adam, next-byte prediction.
 
     Batches are int32 ``[batch_size, 65]``; the model sees ``[:, :-1]`` and predicts ``[:, 1:]``.
+    ``gemm_sites``: every GEMM an injection point (see :class:`ReplayTask`).
     """
     from sdcguard.models import GPT, ByteBatches, GPTConfig, lm_loss
 
@@ -159,7 +170,15 @@ def reference_task(
         seed=seed,
         checkpoint=checkpoint,
         steps=steps,
+        gemm_sites=gemm_sites,
+        protect_attention=not gemm_sites,  # the GEMM sites include attention's own
     )
+
+
+def reference_task_gemms() -> ReplayTask:
+    """The built-in task with every GEMM an injection point:
+    ``--task sdcguard.replay.task:reference_task_gemms``."""
+    return reference_task(gemm_sites=True)
 
 
 def load_task(
