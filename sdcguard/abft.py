@@ -765,10 +765,16 @@ def _check_softmax_rows_local(probs, scores, *, softmax, config):
     return repair_if(jnp.any(bad), fix, probs)
 
 
+def _no_tangent(counts: jax.Array) -> jax.Array:
+    """The float0 tangent of integer counters, typed like them (varying across the devices
+    of a ``shard_map`` when they are, as ``check_vma`` requires)."""
+    return ad.zeros_like_aval(jax.typeof(counts).to_tangent_aval())
+
+
 @check_softmax_rows.defjvp
 def _check_softmax_rows_jvp(softmax, config, primals, tangents):
     out = check_softmax_rows(*primals, softmax, config)
-    no_tangent = np.zeros(out[1].shape, jax.dtypes.float0)
+    no_tangent = _no_tangent(out[1])
     return out, (tangents[0], no_tangent)
 
 
@@ -910,7 +916,17 @@ def _tangent_abstract(*avals, st, n_plan, levels, plan_tree):
     del plan_tree
     impl = functools.partial(_tangent_impl, st=st, n_plan=n_plan, levels=levels)
     out = jax.eval_shape(impl, *avals)
-    return jax.core.ShapedArray(out.shape, out.dtype)
+    # Inside shard_map the tangent varies over every mesh axis an operand varies over
+    # (``check_vma``): jax 0.10 keeps that in the aval's ``mat`` (manual axis type).
+    varying_avals = [a for a in avals if getattr(getattr(a, "mat", None), "varying", None)]
+    if not varying_avals:
+        return jax.core.ShapedArray(out.shape, out.dtype)
+    varying = frozenset().union(*(a.mat.varying for a in varying_avals))
+    mesh = varying_avals[0].sharding.mesh
+    spec = jax.sharding.PartitionSpec(*[None] * len(out.shape))
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    mat = type(varying_avals[0].mat)(varying=varying)
+    return jax.core.ShapedArray(out.shape, out.dtype, sharding=sharding, manual_axis_type=mat)
 
 
 def _checked_grads(st, plan_tree, levels, a, b, plan_leaves, g):
@@ -933,11 +949,22 @@ def _tangent_transpose(cotangent, *args, st, n_plan, levels, plan_tree):
     if type(cotangent) is ad.Zero:
         cotangent = ad.instantiate_zeros(cotangent)
     ga, gb, sink = _checked_grads(st, plan_tree, levels, a, b, plan_leaves, cotangent)
+
+    def like(g, primal):
+        # Inside shard_map, the gradient of an operand that is the same on every device (a
+        # replicated weight) is the sum of the devices' gradients: the psum that JAX's own
+        # dot_general gets from transposing its implicit pvary.
+        g = g.astype(primal.aval.dtype)
+        have = getattr(getattr(jax.typeof(g), "mat", None), "varying", frozenset())
+        want = getattr(getattr(primal.aval, "mat", None), "varying", frozenset())
+        extra = tuple(sorted(have - want))
+        return jax.lax.psum(g, extra) if extra else g
+
     return [
         *([None] * (2 + n_plan)),
-        ga.astype(da.aval.dtype) if ad.is_undefined_primal(da) else None,
-        gb.astype(db.aval.dtype) if ad.is_undefined_primal(db) else None,
-        sink if ad.is_undefined_primal(d_sink) else None,
+        like(ga, da) if ad.is_undefined_primal(da) else None,
+        like(gb, db) if ad.is_undefined_primal(db) else None,
+        like(sink, d_sink) if ad.is_undefined_primal(d_sink) else None,
     ]
 
 
@@ -994,7 +1021,7 @@ def _checked_jvp(st, primals, tangents):
     tangent = _tangent_p.bind(
         a, b, *leaves, da, db, d_sink, st=st, n_plan=len(leaves), levels=(), plan_tree=plan_tree
     )
-    return out, (tangent, np.zeros(out[1].shape, jax.dtypes.float0))
+    return out, (tangent, _no_tangent(out[1]))
 
 
 def zero_sink() -> jax.Array:
