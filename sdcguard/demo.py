@@ -22,7 +22,13 @@ from sdcguard.abft import ABFTConfig, Counts
 from sdcguard.inject import Fault, FaultPlan
 from sdcguard.linen import backward_site_counts, site_counts
 from sdcguard.models import ByteBatches, GPTConfig
-from sdcguard.training import UNCHECKED, TrainConfig, make_train_step
+from sdcguard.training import (
+    COVERAGES,
+    UNCHECKED,
+    UNCHECKED_GEMMS,
+    TrainConfig,
+    make_train_step,
+)
 
 
 def default_faults(num_layers: int) -> list[Fault]:
@@ -40,12 +46,29 @@ def default_faults(num_layers: int) -> list[Fault]:
     ]
 
 
+def default_gemm_faults(num_layers: int) -> list[Fault]:
+    """Seven faults in GEMMs of every class (attention, projections, MLP, head; forward and
+    backward), for whole-step protection (``coverage="every_gemm"``)."""
+    first, last = "GPT/decoder/block_0", f"GPT/decoder/block_{num_layers - 1}"
+    return [
+        Fault(site=f"{first}/attn:dot_product_attention_weights", kind="inf", index=1234, step=20),
+        Fault(site=f"{last}/mlp/fc_in:dot_general", kind="nan", index=77, step=50),
+        Fault(site=f"{first}/attn/query:dot_general", kind="near_inf", index=4321, step=80),
+        Fault(site=f"{last}/mlp/fc_out:dot_general.grad_rhs", kind="bitflip", bit=30, step=110),
+        Fault(site="GPT/embed.attend:attend.grad_lhs", kind="nan", index=500, step=140),
+        Fault(site=f"{last}/attn/value:dot_general.grad_rhs", kind="-inf", index=33, step=170),
+        Fault(site=f"{first}/mlp/fc_in:dot_general.grad_lhs", kind="nan", index=2024, step=200),
+    ]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DemoConfig:
     """Attributes:
     steps: training steps per run.
     out: directory for the plot and the JSON results.
-    train: the training run (model size, batch, learning rate, seed).
+    train: the training run (model size, batch, learning rate, seed; ``coverage``:
+      attention faults under the protected attention layers, or faults in every class of
+      GEMM under whole-step protection by :func:`sdcguard.checked`).
     """
 
     steps: int = 300
@@ -60,11 +83,14 @@ class DemoConfig:
 def run_demo(config: DemoConfig, console: Console | None = None) -> dict:
     """Runs the three trainings; returns losses per run and the protected run's counters."""
     console = console or Console()
-    faults = [f for f in default_faults(config.train.model.num_layers) if f.step < config.steps]
+    whole_step = config.train.coverage == "every_gemm"
+    make_faults = default_gemm_faults if whole_step else default_faults
+    faults = [f for f in make_faults(config.train.model.num_layers) if f.step < config.steps]
     plan = FaultPlan.from_faults(faults)
+    unchecked = UNCHECKED_GEMMS if whole_step else UNCHECKED
     runs = {
         "clean": (dataclasses.replace(config.train, abft=None), FaultPlan.none()),
-        "unprotected": (dataclasses.replace(config.train, abft=UNCHECKED), plan),
+        "unprotected": (dataclasses.replace(config.train, abft=unchecked), plan),
         "protected": (dataclasses.replace(config.train, abft=ABFTConfig()), plan),
     }
     data = ByteBatches(
@@ -82,7 +108,10 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict:
             for i in range(config.steps):
                 state, out = step(state, data.batch(i), run_plan)
                 losses[name][i] = float(out.loss)
-                if name == "protected":
+                if name == "protected" and whole_step:  # out.sdc: sdcguard.checked's report
+                    for site, c in out.sdc.items():
+                        fwd_counts[site] = fwd_counts.get(site, 0) + c
+                elif name == "protected":
                     for site, c in site_counts(out.sdc).items():
                         fwd_counts[site] = fwd_counts.get(site, 0) + c
                     for site, c in backward_site_counts(out.sink_grads).items():
@@ -260,6 +289,14 @@ def register(subparsers) -> None:
         help="transformer blocks of the reference GPT (default: %(default)s)",
     )
     p.add_argument(
+        "--coverage",
+        choices=COVERAGES,
+        default=TrainConfig.coverage,
+        help="attention: seven faults in attention GEMMs, the protected attention layers; "
+        "every_gemm: seven faults in attention, projection, MLP and head GEMMs (forward and "
+        "backward), every GEMM of the step checked by sdcguard.checked (default: %(default)s)",
+    )
+    p.add_argument(
         "--dtype",
         type=_dtype,
         default=GPTConfig.dtype,
@@ -277,7 +314,8 @@ def _main(args: argparse.Namespace) -> int:
         if args.layers < 1:
             raise ValueError(f"--layers must be >= 1, got {args.layers}")
         model = GPTConfig(num_layers=args.layers, dtype=args.dtype)
-        config = DemoConfig(steps=args.steps, out=args.out, train=TrainConfig(model=model))
+        train = TrainConfig(model=model, coverage=args.coverage)
+        config = DemoConfig(steps=args.steps, out=args.out, train=train)
         check_output_dir(config.out, "--out")  # before minutes of training, not after
         result = run_demo(config, console)
         _print(result, console)

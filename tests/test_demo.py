@@ -27,6 +27,21 @@ def test_unprotected_breaks_protected_matches_clean(result):
     assert result["counters"] == {"decoder/block_0/attn:scores": [1, 1, 0, 0]}
 
 
+def test_whole_step_demo_corrects_faults_outside_attention():
+    """``--coverage every_gemm``: an attention fault and an MLP fault, every GEMM checked."""
+    tiny = GPTConfig(num_layers=1, d_model=32, num_heads=4, seq_len=16)
+    train = TrainConfig(model=tiny, batch_size=2, coverage="every_gemm")
+    result = run_demo(DemoConfig(steps=51, train=train))
+    losses = {k: np.asarray(v) for k, v in result["losses"].items()}
+    assert [f["step"] for f in result["faults"]] == [20, 50]
+    assert not np.isfinite(losses["unprotected"][21:]).any()
+    np.testing.assert_allclose(losses["protected"], losses["clean"], rtol=1e-5)
+    assert result["counters"] == {
+        "GPT/decoder/block_0/attn:dot_product_attention_weights": [1, 1, 0, 0],
+        "GPT/decoder/block_0/mlp/fc_in:dot_general": [1, 1, 0, 0],
+    }
+
+
 def test_plot_is_written(result, tmp_path):
     _plot(result, tmp_path / "demo.png")
     assert (tmp_path / "demo.png").stat().st_size > 10_000
