@@ -38,7 +38,6 @@ import optax
 from rich.console import Console
 from rich.table import Table
 
-from sdcguard import training
 from sdcguard.abft import ABFTConfig, Counts
 from sdcguard.inject import Fault, FaultPlan
 from sdcguard.models import ByteBatches, GPTConfig
@@ -98,14 +97,12 @@ def guarded_step():
     state, step = make_train_step(
         TrainConfig(abft=None), optimizer=refuse_corrupted(optax.adam(3e-3))
     )
-    train_state = TrainState(state.step, state.params, state.opt_state, jax.random.key(0))
     plan = FaultPlan.none()
 
     def step_fn(s: TrainState, batch) -> TrainState:
-        inner, _ = step(training.TrainState(s.step, s.params, s.opt_state), batch, plan)
-        return TrainState(inner.step, inner.params, inner.opt_state, s.rng)
+        return step(s, batch, plan)[0]
 
-    return train_state, step_fn
+    return state, step_fn
 
 
 def snapshot_overhead(args, batches) -> dict:

@@ -37,6 +37,7 @@ from sdcguard.models import (
     mlm_loss,
 )
 from sdcguard.optim import GuardState
+from sdcguard.recovery import TrainState  # the one state of a run: step, params, opt_state, rng
 from sdcguard.triage import with_triage
 
 UNCHECKED = ABFTConfig(sites=())  # layers swapped, injection points live, nothing checked
@@ -49,12 +50,6 @@ COVERAGES = ("attention", "every_gemm")
 # ``{stack}/block_{i}/attn:...``.
 STACK_NAMES = {"gpt": "decoder", "encoder": "encoder"}
 _MASK_STREAM = 0x6D61736B  # "mask"
-
-
-class TrainState(NamedTuple):
-    step: jax.Array  # int32 scalar
-    params: dict
-    opt_state: optax.OptState
 
 
 class StepOutput(NamedTuple):
@@ -279,7 +274,9 @@ def make_train_step(
     # Extra args (loss, ABFT counts) reach an update guard and are ignored by plain optimizers.
     optimizer = optax.with_extra_args_support(optimizer or optax.adam(config.learning_rate))
     params = init_params(model, config.seed)
-    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    # The key is carried for train_with_recovery's snapshots; the reference step draws none.
+    rng = jax.random.key(config.seed)
+    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), rng)
     protected = config.abft is not None
     drop_ins = protected and config.coverage == "attention"
     whole_step = protected and config.coverage == "every_gemm"
@@ -345,7 +342,7 @@ def make_train_step(
         )
         params = optax.apply_updates(state.params, updates)
         out = StepOutput(loss, optax.tree.norm(grads), counts, sdc, sink_grads)
-        return TrainState(state.step + 1, params, opt_state), out
+        return state._replace(step=state.step + 1, params=params, opt_state=opt_state), out
 
     def recomputed_if_detected(state, batch, plan):
         # The whole step, update included, is redone: a decision on the gradients alone would
