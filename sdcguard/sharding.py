@@ -19,16 +19,37 @@ have one row per device and are summed once per step.
   propagation treats it as it treats the GEMM) and its partition rule receives the operands'
   shardings and lowers the local check under them.
 
-Why not one mechanism for all: a ``shard_map`` needs the shardings when the program is traced,
-which automatic axes do not give; ``custom_partitioning`` is not lowered through the partitioner
-in a fully manual context and does not carry explicit-axes sharding types. Without either, XLA
-partitions the checks' reductions and the repair loop's condition like any other computation,
-and every checked GEMM adds all-reduces (53 for the 3-layer MLP of ``scripts/bench_sharding.py``
-on 8 devices instead of one).
+Which mechanism where, and why: a ``shard_map`` needs the operands' shardings when the program
+is traced; explicit axes give them (and ``shard_map`` is the public, typed construct for that),
+automatic axes do not: there only ``custom_partitioning`` sees the shardings that propagation
+chose. Inside ``shard_map``/``pmap`` there is nothing to partition. Without any of this, XLA
+partitions the checks' reductions and the repair loop's condition like any other computation:
+the 3-layer MLP of ``scripts/bench_sharding.py`` went from 1 to 53 collectives on 8 devices,
+the protected Flax LM gained ~139; with it, each gains one (the counters' reduction).
+
+Counters: :func:`shard_local` returns one row per device (``[rows, 4]``, sharded over the mesh);
+``sdcguard.checked`` keeps the rows until the end of the step and sums all sites in one
+all-reduce (:func:`sum_rows`). The layer drop-ins return ``[4]`` counters per GEMM (their
+collections and sinks have that shape), so each check sums its rows at once; these are small
+all-reduces that depend on nothing but the check, and XLA's all-reduce combiner merges them
+into one per step (measured in ``scripts/bench_sharding.py``; a combiner that did not would
+leave one tiny all-reduce per checked GEMM, never a wrong count).
+
+A fault hits one device: the one that computes the element, or, where several devices compute
+partial sums of it (sharded contraction) or the same block (mesh axes the GEMM is replicated
+over), the first of them (:class:`Block`).
+
+Limits (each falls back to a correct check that XLA partitions, with more collectives): under
+``jax.vmap`` (``custom_partitioning`` has no batching rule); values on no mesh (constants);
+``shard_map`` over some of the mesh axes only (the check runs on what the body sees; the
+remaining automatic axes are partitioned by XLA). A mesh mixing explicit and automatic axes is
+checked per device along its explicit axes only. A check traced for one mesh and partitioned
+over another raises ``ValueError``.
 
 Example:
-  >>> c, counts, per_device = shard_local(local, a, b, plan, contraction)
-  >>> # counts: int32 [devices, 4] when per_device, else [4]
+  >>> mesh = device_mesh(a, b)                      # None inside shard_map or unsharded
+  >>> c, counts = shard_local(local, a, b, plan, contraction, mesh=mesh)
+  >>> counts.shape                                  # (8, 4) on 8 devices, else (4,)
 """
 
 from __future__ import annotations

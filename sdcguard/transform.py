@@ -8,6 +8,11 @@ inside ``jit``, ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``/``custo
 and ``shard_map``; and when ``fn`` is a training step that calls ``jax.grad``, the backward
 GEMMs that ``grad`` produced are ``dot_general`` s of the same program and are checked too.
 
+Under sharding each device checks the GEMM it computes, on the blocks it holds: inside
+``shard_map`` and ``pmap`` the program is already per device; under ``jit`` with ``NamedSharding``
+(automatic or explicit axes) each checked GEMM is partitioned by :mod:`sdcguard.sharding`, and
+the counters, one row per device, are summed in one all-reduce at the end of the step.
+
 Each GEMM is a *site*, named by where it is in the model: the module path that Flax and
 ``jax.named_scope`` leave in the program (``Model/decoder/block_0/mlp/Dense_0:dot_general``), or,
 for code without scopes, the Python call path (``loss/Block.__call__/MLP.__call__/...``); the
