@@ -352,6 +352,28 @@ def run_faulty(model, protection, way, mesh_shape, fn, args, site):
     return jax.jit(mapped)(plans, *args)
 
 
+STALLS = "not run: stalls in an all-reduce rendezvous on 8 CPU devices (also at 1b85f8c)"
+
+
+def _not_run(model, protection, way, mesh_shape, why):
+    return {
+        "model": model,
+        "protection": protection,
+        "way": way,
+        "mesh": f"{mesh_shape[0]}x{mesh_shape[1]}",
+        "plain": None,
+        "protected": None,
+        "added": None,
+        "clean_counts": None,
+        "loss": None,
+        "loss_matches_unsharded": None,
+        "fault_site": None,
+        "fault_counts": None,
+        "fault_corrected_same_step": None,
+        "fault_error": why,
+    }
+
+
 def unsharded(model):
     params, _, batch, _ = problem(model)
     return float(jax.jit(make_step(model, "plain"))(params, None, batch)[1])
@@ -367,6 +389,12 @@ def measure(models=("mlp", "lm"), meshes=((8, 1), (4, 2)), ways=WAYS) -> list[di
                 if way == "pmap" and mesh_shape != meshes[0]:
                     continue  # pmap has one axis: the 8 devices
                 for protection in protections:
+                    if (model, protection, way) == ("lm", "checked", "pmap"):
+                        # jax.pmap(sdcguard.checked(lm_step)) stalls in an all-reduce
+                        # rendezvous of the 8-device CPU simulation (6 of 8 devices arrive),
+                        # with or without sdcguard.sharding; not run until that is understood.
+                        rows.append(_not_run(model, protection, way, mesh_shape, STALLS))
+                        continue
                     rows.append(measure_one(model, protection, way, mesh_shape, reference))
                     r = rows[-1]
                     print(
@@ -395,10 +423,8 @@ def main(argv=None):
             r["protection"],
             r["way"],
             r["mesh"],
-            str(r["plain"]),
-            str(r["protected"]),
-            str(r["added"]),
-            str(r["loss_matches_unsharded"]),
+            *("-" if r[k] is None else str(r[k]) for k in ("plain", "protected", "added")),
+            "-" if r["loss_matches_unsharded"] is None else str(r["loss_matches_unsharded"]),
             fault,
         )
     Console(width=160).print(table)
