@@ -151,11 +151,12 @@ def lm_loss(params, tokens, sinks=None):
 
     if sinks is None:
         loss, grads = jax.value_and_grad(lambda p: loss_fn(p, None)[0])(params)
-        return loss, grads, jnp.zeros((4,), jnp.int32)
+        zeros = jnp.zeros((4,), jnp.int32)
+        return loss, grads, (zeros, zeros)
     (loss, state), (grads, sink_grads) = jax.value_and_grad(loss_fn, (0, 1), has_aux=True)(
         params, sinks
     )
-    return loss, grads, sl.total_counts(state.get("sdc", {}), sink_grads)
+    return loss, grads, (sl.total_counts(state.get("sdc", {})), sl.total_counts({}, sink_grads))
 
 
 # --- Steps, each way -----------------------------------------------------------------------------
@@ -175,13 +176,20 @@ def make_step(model: str, protection: str, *, axis_name=None, out_shardings=None
             counts = jnp.zeros((4,), jnp.int32)
         elif protection == "linen":
             with sl.protect():
-                loss, grads, counts = lm_loss(params, batch, sinks)
+                loss, grads, (forward, backward) = lm_loss(params, batch, sinks)
         else:
-            loss, grads, counts = lm_loss(params, batch)
+            loss, grads, (forward, backward) = lm_loss(params, batch)
+        if model == "lm":
+            if axis_name is not None and protection == "linen":
+                # The forward counters are each device's own: one psum. The backward ones are
+                # the gradient of sinks passed in replicated, which shard_map (check_vma) has
+                # already summed over the devices, as for any replicated input; pmap has not.
+                forward = jax.lax.psum(forward, axis_name)
+                if axis_name == "data":  # pmap
+                    backward = jax.lax.psum(backward, axis_name)
+            counts = forward + backward
         if axis_name is not None:
             loss, grads = jax.lax.pmean((loss, grads), axis_name)
-            if protection == "linen":
-                counts = jax.lax.psum(counts, axis_name)  # the counters' one reduction
         return sgd(params, grads), loss, counts
 
     return step
