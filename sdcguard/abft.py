@@ -43,7 +43,7 @@ import numpy as np
 from jax.extend import core as jax_core
 from jax.interpreters import ad, batching, mlir
 
-from sdcguard import inject
+from sdcguard import inject, sharding
 from sdcguard.in_place import apply_if
 from sdcguard.sites import ATTENTION_SITES, NEAR_INF
 
@@ -716,7 +716,6 @@ def check_softmax_rows(
     Example:
       >>> probs, counts = check_softmax_rows(probs, scores, jax.nn.softmax, ABFTConfig())
     """
-    from sdcguard import sharding  # sdcguard.sharding imports this module
 
     local = functools.partial(_check_softmax_rows_local, softmax=softmax, config=config)
     mesh = sharding.device_mesh(probs, scores) if probs.shape == scores.shape else None
@@ -863,8 +862,6 @@ def _gemm(st: _Static, ct: Contraction, a, b, plan, site: str, check: bool, lhs_
             precision=st.precision,
             lhs_nonnegative=lhs_nonnegative,
         )
-
-    from sdcguard import sharding  # sdcguard.sharding imports this module
 
     mesh = sharding.device_mesh(a, b) if check or plan is not None else None
     c, counts = sharding.shard_local(local, a, b, plan, stored, mesh=mesh)

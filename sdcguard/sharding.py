@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +67,12 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sdcguard import inject
-from sdcguard.abft import NUM_COUNTERS, Contraction
+
+if TYPE_CHECKING:  # the checked GEMMs of sdcguard.abft call into this module, not back
+    from sdcguard.abft import Contraction
+
+# The counters of a check, ``sdcguard.abft.Counts`` (tests/test_abft.py checks they agree).
+NUM_COUNTERS = 4
 
 __all__ = [
     "Block",

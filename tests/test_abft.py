@@ -464,3 +464,10 @@ def test_softmax_check_repairs_rows_and_is_the_identity_for_autodiff():
     # Gradients flow to probs as if no check were there, clean or repaired.
     for probs in (jax.nn.softmax(scores), bad):
         np.testing.assert_array_equal(np.asarray(jax.grad(loss)(probs)), np.asarray(weights))
+
+
+def test_sharding_counts_the_same_counters():
+    """``sdcguard.sharding`` sits below the checks and keeps its own count of the counters."""
+    from sdcguard import abft, sharding
+
+    assert sharding.NUM_COUNTERS == abft.NUM_COUNTERS == len(abft.Counts._fields)
