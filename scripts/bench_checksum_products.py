@@ -1,12 +1,12 @@
 """Row-checksum products of every attention GEMM: a matrix-vector ``dot`` vs a fused reduction.
 
-The row checksum of ``C = A·B`` needs ``A(Be)`` and a magnitude of ``A``'s rows. XLA on the CPU
-runs the product fastest as a ``dot`` for some layouts of ``A`` and as an elementwise product
-and reduction for others; ``sdcguard.abft`` picks one from the layout. This script times both
+The row checksum of ``C = A·B`` needs ``A(Be)`` and a magnitude of ``A``'s rows. XLA on the CPU runs
+the product fastest as a ``dot`` for some layouts of ``A`` and as an elementwise product and
+reduction for others; ``sdcguard.protection.abft`` picks one from the layout. This script times both
 for the bench GPT's 12 attention GEMMs (forward and both gradients of the query projection, the
-output projection, scores and context), interleaved in one process, and marks the one the
-library picks. The magnitude is the general one everywhere (for the context's non-negative
-probabilities the library takes a second product instead, in the same formulation).
+output projection, scores and context), interleaved in one process, and marks the one the library
+picks. The magnitude is the general one everywhere (for the context's non-negative probabilities the
+library takes a second product instead, in the same formulation).
 
     python scripts/bench_checksum_products.py
 """
@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 from timing import interleaved, per_call
 
-from sdcguard import abft
+from sdcguard.protection import abft, checksums
 
 GEMMS = {
     "query projection": "bqD,Dhd->bqhd",
@@ -36,9 +36,11 @@ GEMMS = {
 DIMS = {"b": 8, "q": 256, "k": 256, "h": 4, "d": 64, "D": 256}  # the bench GPT
 
 
-def row_products(ct: abft.Contraction, x, other, *, as_dot: bool):
+def row_products(ct: checksums.Contraction, x, other, *, as_dot: bool):
     """``A(Be)`` and its magnitude for the rows of ``ct`` (the clean-path checksum work)."""
-    return abft._contract_with_line_sums(x, ct.lhs, other, ct.rhs, ct, ct.rhs_free, as_dot=as_dot)
+    return checksums._contract_with_line_sums(
+        x, ct.lhs, other, ct.rhs, ct, ct.rhs_free, as_dot=as_dot
+    )
 
 
 def main() -> None:
@@ -52,7 +54,7 @@ def main() -> None:
     key_a, key_b = jax.random.split(jax.random.key(0))
     for name, spec in GEMMS.items():
         lhs, rhs = spec.split("->")[0].split(",")
-        forward = abft.Contraction.parse(spec, len(lhs), len(rhs))
+        forward = checksums.Contraction.parse(spec, len(lhs), len(rhs))
         for which, ct in (
             ("forward", forward),
             ("grad_lhs", forward.grad_lhs()),
@@ -63,7 +65,7 @@ def main() -> None:
             b = jax.random.normal(key_b, [DIMS[c] for c in ct.rhs])
             gemm = f"{name} {which}"
             layouts[gemm] = f"{ct.lhs}, contracted {ct.contracted}"
-            chosen[gemm] = "dot" if abft.products_as_dot(ct.lhs, ct) else "reduction"
+            chosen[gemm] = "dot" if checksums.products_as_dot(ct.lhs, ct) else "reduction"
             for how, as_dot in (("dot", True), ("reduction", False)):
                 fn = functools.partial(row_products, ct, as_dot=as_dot)
                 compiled = jax.jit(fn).lower(a, b).compile()

@@ -40,9 +40,9 @@ from jax.sharding import PartitionSpec as P
 from rich.console import Console
 from rich.table import Table
 
-from sdcguard.erasure import ErasureCode
+from sdcguard.guard.erasure import ErasureCode
+from sdcguard.guard.recovery import SnapshotRing, TrainState
 from sdcguard.models import GPT, GPTConfig, init_params
-from sdcguard.recovery import SnapshotRing, TrainState
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdcguard import abft
-from sdcguard.pallas import flash as fa
-from sdcguard.pallas import matmul, verify
+from sdcguard.protection import abft
+from sdcguard.protection.pallas import flash as fa
+from sdcguard.protection.pallas import matmul, verify
 
 UNCHECKED = dataclasses.replace(abft.ABFTConfig(), forward=False, backward=False)
 

@@ -42,15 +42,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import sdcguard.linen as sl
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
 from rich.table import Table
 
 import sdcguard
-import sdcguard.linen as sl
-from sdcguard.inject import Fault, FaultPlan
-from sdcguard.transform import total
+from sdcguard.fault_model.inject import Fault, FaultPlan
+from sdcguard.protection.transform import total
 
 # An instruction of the compiled HLO whose op is a collective (``... f32[8]{0} all-reduce(``),
 # not a mention of one as an operand (``get-tuple-element(%all-reduce)``).
@@ -398,9 +398,9 @@ def measure(models=("mlp", "lm"), meshes=((8, 1), (4, 2)), ways=WAYS) -> list[di
                     continue  # pmap has one axis: the 8 devices
                 for protection in protections:
                     if (model, protection, way) == ("lm", "checked", "pmap"):
-                        # jax.pmap(sdcguard.checked(lm_step)) stalls in an all-reduce
-                        # rendezvous of the 8-device CPU simulation (6 of 8 devices arrive),
-                        # with or without sdcguard.sharding; not run until that is understood.
+                        # jax.pmap(sdcguard.checked(lm_step)) stalls in an all-reduce rendezvous of
+                        # the 8-device CPU simulation (6 of 8 devices arrive), with or without
+                        # sdcguard.protection.sharding; not run until that is understood.
                         rows.append(_not_run(model, protection, way, mesh_shape, STALLS))
                         continue
                     rows.append(measure_one(model, protection, way, mesh_shape, reference))

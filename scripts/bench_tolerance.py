@@ -21,8 +21,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from sdcguard.abft import Contraction, line_checksums
 from sdcguard.models import GPT, ByteBatches, GPTConfig, init_params
+from sdcguard.protection.checksums import Contraction, line_checksums
 
 GEMMS = {  # site: einsum spec with the shapes of the reference GPT's attention
     "query": "btf,fhd->bthd",

@@ -1,41 +1,28 @@
 """sdcguard: keep JAX/Flax training correct when hardware silently corrupts numbers.
 
-Submodules: ``abft`` (checksum math), ``attention`` (protected attention), ``linen`` / ``nnx``
-(Flax drop-ins), ``inject`` (fault plans), ``optim`` (update guard), ``recovery`` (snapshots,
-Orbax tier), ``replay`` (deterministic record/compare), ``pallas`` (GPU kernels; imported on
-demand), ``models`` (reference workloads), ``sites``, ``training``.
+Four parts over one shared fault model:
+
+- ``sdcguard.protection``: checksum-checked GEMMs (ABFT) for any step (:func:`checked`) and
+  drop-in attention layers (``sdcguard.linen``, ``sdcguard.nnx``), with Pallas kernels.
+- ``sdcguard.replay``: deterministic record, compare and scan of nodes.
+- ``sdcguard.guard``: the update guard (an Optax wrapper), triage, snapshots, checkpoints and
+  the recovery loop.
+- ``sdcguard.campaign``: fault-injection campaigns.
+- ``sdcguard.fault_model``: site names and fault plans, shared by all four.
+
+``sdcguard.models`` holds the reference workloads and ``sdcguard.training`` their training
+steps under every protection. The flat module names of the previous release
+(``sdcguard.abft``, ``sdcguard.optim``, ...) still import, with a ``DeprecationWarning``.
 """
 
-from sdcguard import (
-    abft,
-    inject,
-    linen,
-    models,
-    nnx,
-    optim,
-    recovery,
-    replay,
-    sites,
-    training,
-    transform,
-    triage,
-)
-from sdcguard.abft import ABFTConfig, Counts, checked_dot_general, checked_einsum, unsafe_checks
-from sdcguard.attention import dot_product_attention, protected_attention
-from sdcguard.inject import Fault, FaultPlan, faults, module_outputs
-from sdcguard.optim import (
-    GuardConfig,
-    GuardState,
-    Reason,
-    Triage,
-    describe,
-    find_guard_state,
-    reason_names,
-    refuse_corrupted,
-    reset_statistics,
-    tree_fingerprint,
-)
-from sdcguard.recovery import (
+from sdcguard import _moved
+
+_moved.install()
+
+from sdcguard import fault_model, guard, models, protection, replay, training  # noqa: E402
+from sdcguard.fault_model.inject import Fault, FaultPlan, faults, module_outputs  # noqa: E402
+from sdcguard.fault_model.sites import ATTENTION_SITES, FaultKind, site_id, site_name  # noqa: E402
+from sdcguard.guard.recovery import (  # noqa: E402
     CheckpointCorrupted,
     CheckpointTier,
     RecoveryConfig,
@@ -47,7 +34,26 @@ from sdcguard.recovery import (
     TriageEvent,
     train_with_recovery,
 )
-from sdcguard.replay import (
+from sdcguard.guard.triage import with_triage  # noqa: E402
+from sdcguard.guard.update_guard import (  # noqa: E402
+    GuardConfig,
+    GuardState,
+    Reason,
+    Triage,
+    describe,
+    find_guard_state,
+    reason_names,
+    refuse_corrupted,
+    reset_statistics,
+    tree_fingerprint,
+)
+from sdcguard.protection import linen, nnx  # noqa: E402
+from sdcguard.protection.abft import checked_dot_general, checked_einsum  # noqa: E402
+from sdcguard.protection.attention import protected_attention  # noqa: E402
+from sdcguard.protection.config import ABFTConfig, Counts, unsafe_checks  # noqa: E402
+from sdcguard.protection.linen import dot_product_attention  # noqa: E402
+from sdcguard.protection.transform import GemmSite, checked, list_sites  # noqa: E402
+from sdcguard.replay import (  # noqa: E402
     CompareOptions,
     Comparison,
     RecordOptions,
@@ -59,9 +65,6 @@ from sdcguard.replay import (
     reference_task,
     tensor_metrics,
 )
-from sdcguard.sites import ATTENTION_SITES, FaultKind, site_id, site_name
-from sdcguard.transform import GemmSite, checked, list_sites
-from sdcguard.triage import with_triage
 
 __version__ = "0.1.0"
 
@@ -90,16 +93,16 @@ __all__ = [
     "TrainState",
     "Triage",
     "TriageEvent",
-    "abft",
     "checked",
     "checked_dot_general",
     "checked_einsum",
     "compare_nodes",
     "describe",
     "dot_product_attention",
+    "fault_model",
     "faults",
     "find_guard_state",
-    "inject",
+    "guard",
     "linen",
     "list_sites",
     "load_task",
@@ -107,24 +110,25 @@ __all__ = [
     "module_outputs",
     "nnx",
     "open_trace",
-    "optim",
     "protected_attention",
+    "protection",
     "reason_names",
     "record",
-    "recovery",
     "reference_task",
     "refuse_corrupted",
     "replay",
     "reset_statistics",
     "site_id",
     "site_name",
-    "sites",
     "tensor_metrics",
     "train_with_recovery",
     "training",
-    "transform",
     "tree_fingerprint",
-    "triage",
     "unsafe_checks",
     "with_triage",
 ]
+
+
+def __getattr__(name: str):
+    # sdcguard.abft, sdcguard.optim, ...: the previous release's flat modules (see _moved).
+    return _moved.old_attribute(__name__, name)

@@ -18,17 +18,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from sdcguard.abft import ABFTConfig, Counts
-from sdcguard.inject import Fault, FaultPlan
-from sdcguard.linen import backward_site_counts, site_counts
+from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.models import ByteBatches, GPTConfig
-from sdcguard.training import (
-    COVERAGES,
-    UNCHECKED,
-    UNCHECKED_GEMMS,
-    TrainConfig,
-    make_train_step,
-)
+from sdcguard.protection.abft import ABFTConfig, Counts
+from sdcguard.protection.linen import backward_site_counts, site_counts
+from sdcguard.training import COVERAGES, UNCHECKED, UNCHECKED_GEMMS, TrainConfig, make_train_step
 
 
 def default_faults(num_layers: int) -> list[Fault]:

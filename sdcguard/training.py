@@ -1,10 +1,11 @@
 """A jitted training step for the reference models, with protection and fault plans as inputs.
 
-This is the workload of the demo, the benchmarks and the campaigns, and a worked example of
-wiring sdcguard into a training step: the fault plan is an argument (one compilation for any
-plan), :func:`sdcguard.linen.protect` swaps the attention layers, forward counters come back in
+This is the workload of the demo, the benchmarks and the campaigns, and a worked example of wiring
+sdcguard into a training step: the fault plan is an argument (one compilation for any plan),
+:func:`sdcguard.protection.linen.protect` swaps the attention layers, forward counters come back in
 the ``'sdc'`` collection and backward counters as the gradient of the ``'sdc_grad'`` sinks, and
-:func:`sdcguard.inject.module_outputs` arms the module-output sites (``path:output``) asked for.
+:func:`sdcguard.fault_model.inject.module_outputs` arms the module-output sites (``path:output``)
+asked for.
 
 Two tasks share everything but the model and the loss: ``gpt`` (the decoder, next-byte
 prediction) and ``encoder`` (the bidirectional encoder, masked-byte prediction with a mask drawn
@@ -23,22 +24,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sdcguard import abft as abft_lib
-from sdcguard import inject, linen, transform
-from sdcguard.abft import NUM_COUNTERS, ABFTConfig
-from sdcguard.in_place import apply_if
-from sdcguard.models import (
-    GPT,
-    Encoder,
-    GPTConfig,
-    init_params,
-    lm_loss,
-    mask_tokens,
-    mlm_loss,
+from sdcguard.fault_model import inject
+from sdcguard.guard.recovery import (
+    TrainState,  # the one state of a run: step, params, opt_state, rng
 )
-from sdcguard.optim import GuardState
-from sdcguard.recovery import TrainState  # the one state of a run: step, params, opt_state, rng
-from sdcguard.triage import with_triage
+from sdcguard.guard.triage import with_triage
+from sdcguard.guard.update_guard import GuardState
+from sdcguard.in_place import apply_if
+from sdcguard.models import GPT, Encoder, GPTConfig, init_params, lm_loss, mask_tokens, mlm_loss
+from sdcguard.protection import abft as abft_lib
+from sdcguard.protection import linen, transform
+from sdcguard.protection.abft import NUM_COUNTERS, ABFTConfig
 
 UNCHECKED = ABFTConfig(sites=())  # layers swapped, injection points live, nothing checked
 # The same for `coverage="every_gemm"`: every GEMM an injection point, none checked.
@@ -55,10 +51,10 @@ _MASK_STREAM = 0x6D61736B  # "mask"
 class StepOutput(NamedTuple):
     """What one step reports (all arrays; nothing is read on the host by the step itself).
 
-    loss: float32 scalar, before the update.
-    grad_norm: float32 scalar, global L2 norm of the parameter gradients.
-    counts: int32 ``[NUM_COUNTERS]`` totals forward + backward (see :class:`sdcguard.abft.Counts`).
-    sdc: the ``'sdc'`` collection (forward counters per layer); with
+    loss: float32 scalar, before the update. grad_norm: float32 scalar, global L2 norm of the
+    parameter gradients. counts: int32 ``[NUM_COUNTERS]`` totals forward + backward (see
+    :class:`sdcguard.protection.abft.Counts`). sdc: the ``'sdc'`` collection (forward counters per
+    layer); with
       ``coverage="every_gemm"``, the report of :func:`sdcguard.checked` (site -> counters).
     sink_grads: gradient of the ``'sdc_grad'`` collection (backward counters per layer);
       empty with ``coverage="every_gemm"`` (the report holds the backward sites too).
@@ -88,13 +84,14 @@ class TrainConfig:
         (attention injection points, no checks), ``UNCHECKED_GEMMS`` (every GEMM an injection
         point, none checked; with ``coverage="every_gemm"``) or an ABFTConfig.
       coverage: what is checked. ``attention``: the attention layers, swapped for the
-        protected drop-ins by :func:`sdcguard.linen.protect` (sites
+        protected drop-ins by :func:`sdcguard.protection.linen.protect` (sites
         ``decoder/block_0/attn:scores``...). ``every_gemm``: every floating-point GEMM of
         the loss and its gradients, forward and backward, by :func:`sdcguard.checked` on the
         plain model (sites ``GPT/decoder/block_0/mlp/fc_in:dot_general``... as
         :func:`sdcguard.list_sites` names them; ``abft.include``/``exclude`` select them).
       output_sites: module-output sites (``decoder/block_0/mlp:output`` ...) where the fault
-        plan can inject (see :func:`sdcguard.inject.module_outputs`); others compile to nothing.
+        plan can inject (see :func:`sdcguard.fault_model.inject.module_outputs`); others compile to
+        nothing.
       repair: how a detected error is corrected (with ``abft.correct``). ``in_place``: each
         checked GEMM repairs its own output, in a loop that the step waits on.
         ``recompute``: the checks only detect, so nothing waits on them; a step with a
@@ -104,9 +101,10 @@ class TrainConfig:
         counted as corrected. A clean step costs detection only. With
         ``abft.correct=False`` both modes are the same detect-only step; a ``hit_log`` sees
         the faults of both passes of a recomputed step.
-      triage: when the optimizer is an update guard (:func:`sdcguard.optim.refuse_corrupted`),
+      triage: when the optimizer is an update guard
+      (:func:`sdcguard.guard.update_guard.refuse_corrupted`),
         a step it would refuse for a gradient-norm or loss spike alone is computed again
-        (:func:`sdcguard.triage.with_triage`): bit-identical, the spike is real and the update
+        (:func:`sdcguard.guard.triage.with_triage`): bit-identical, the spike is real and the update
         stands; different, the first pass was corrupted and the recomputation is used. The
         recomputation runs with the fault plan disarmed: an injected fault is a transient
         one, which does not come back.
@@ -249,17 +247,17 @@ def make_train_step(
 ) -> tuple[TrainState, Callable]:
     """The initial state and the jitted step ``step(state, batch, plan) -> (state, StepOutput)``.
 
-    ``batch`` is int32 ``[batch, seq_len + 1]`` (the GPT's inputs and shifted targets; the
-    encoder reads the first ``seq_len`` bytes); ``plan`` is a :class:`sdcguard.inject.FaultPlan`
+    ``batch`` is int32 ``[batch, seq_len + 1]`` (the GPT's inputs and shifted targets; the encoder
+    reads the first ``seq_len`` bytes); ``plan`` is a :class:`sdcguard.fault_model.inject.FaultPlan`
     (``FaultPlan.none()`` for a clean step).
 
     Args:
       config: the run.
       optimizer: default ``optax.adam(config.learning_rate)``; it receives ``loss`` and
-        ``abft_uncorrectable`` (:func:`sdcguard.abft.unsafe_checks` of the counters) as extra
-        arguments (an update guard reads them; with ``config.triage`` its spikes are triaged).
+        ``abft_uncorrectable`` (:func:`sdcguard.protection.abft.unsafe_checks` of the counters) as
+        extra arguments (an update guard reads them; with ``config.triage`` its spikes are triaged).
       hit_log: if given, every fault that fires is reported to it (a diagnostic; see
-        :class:`sdcguard.inject.HitLog`).
+        :class:`sdcguard.fault_model.inject.HitLog`).
 
     Raises:
       ValueError: an output site that the model does not have (the valid ones are listed).

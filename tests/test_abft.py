@@ -8,23 +8,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tolerances import assert_close
 
-from sdcguard.abft import (
+from sdcguard.fault_model.inject import Fault, FaultPlan
+from sdcguard.protection.abft import (
     NUM_COUNTERS,
     ABFTConfig,
-    Contraction,
-    _contract_with_line_sums,
     _in_dot_order,
-    check_contraction,
     check_softmax_rows,
     checked_dot_general,
     checked_einsum,
+    zero_counts,
+)
+from sdcguard.protection.checksums import (
+    Contraction,
+    _contract_with_line_sums,
+    check_contraction,
     dot_general_to_einsum,
     line_checksums,
     repair_if,
     roundoff_gamma,
-    zero_counts,
 )
-from sdcguard.inject import Fault, FaultPlan
 
 SPEC = "bhqd,bhkd->bhqk"  # the scores GEMM
 SITE = "t:scores"
@@ -467,7 +469,7 @@ def test_softmax_check_repairs_rows_and_is_the_identity_for_autodiff():
 
 
 def test_sharding_counts_the_same_counters():
-    """``sdcguard.sharding`` sits below the checks and keeps its own count of the counters."""
-    from sdcguard import abft, sharding
+    """``sdcguard.protection.sharding`` sits below the checks and counts the counters itself."""
+    from sdcguard.protection import abft, sharding
 
     assert sharding.NUM_COUNTERS == abft.NUM_COUNTERS == len(abft.Counts._fields)

@@ -15,14 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tolerances import TOLERANCES, assert_close
 
-from sdcguard.abft import (
-    ABFTConfig,
-    _underflow_slack,
-    check_softmax_rows,
-    checked_einsum,
-    unsafe_checks,
-)
-from sdcguard.inject import Fault, FaultPlan
+from sdcguard.fault_model.inject import Fault, FaultPlan
+from sdcguard.protection.abft import ABFTConfig, check_softmax_rows, checked_einsum, unsafe_checks
+from sdcguard.protection.checksums import _underflow_slack
 
 SPEC = "bmk,bkn->bmn"
 SHAPES = ((2, 16, 32), (2, 32, 24))

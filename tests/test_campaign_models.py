@@ -60,7 +60,7 @@ def test_bf16_encoder_campaign_runs_end_to_end(bf16_encoder):
     assert result["false_positives"][0]["dtype"] == "bf16"
     assert result["false_positives"][0]["alarms"] == 0
     # The result names the code it measured (file hashes hold for an uncommitted tree too).
-    assert len(result["environment"]["sources_sha256"]["abft.py"]) == 16
+    assert len(result["environment"]["sources_sha256"]["protection/abft.py"]) == 16
     att = [r for r in records if r["protection"] == "abft" and r["site_type"] == "attention"]
     nan = [r for r in att if r["kind"] == "nan"]
     assert len(nan) == 2 and all(r["detected"] and r["corrected"] for r in nan)

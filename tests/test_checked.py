@@ -16,8 +16,8 @@ import optax
 import pytest
 
 import sdcguard
-from sdcguard.inject import Fault, FaultPlan
-from sdcguard.transform import list_sites, total
+from sdcguard.fault_model.inject import Fault, FaultPlan
+from sdcguard.protection.transform import list_sites, total
 
 # Parity of a checked step with the plain one. The checked GEMM is the same dot_general on the
 # same operands, but its output passes a repair loop, which XLA may not fuse across: float32

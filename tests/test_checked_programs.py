@@ -16,9 +16,9 @@ from multidevice import needs_8, run_on_8_devices
 from tolerances import assert_close
 
 import sdcguard
-from sdcguard.abft import ABFTConfig
-from sdcguard.inject import Fault, FaultPlan
-from sdcguard.transform import list_sites, total
+from sdcguard.fault_model.inject import Fault, FaultPlan
+from sdcguard.protection.abft import ABFTConfig
+from sdcguard.protection.transform import list_sites, total
 
 KEY = jax.random.key(0)
 W = jax.random.normal(KEY, (3, 8, 8)) / 3

@@ -16,7 +16,7 @@ from jax.ad_checkpoint import print_saved_residuals
 from multidevice import needs_8, run_on_8_devices
 from tolerances import TOLERANCES, assert_close
 
-from sdcguard.degraded import (
+from sdcguard.guard.degraded import (
     DegradedConfig,
     DegradedTrainer,
     MeCeFO,

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from multidevice import needs_8, run_on_8_devices
 
-from sdcguard.erasure import CodedSnapshot, ErasureCode, HostMemory, SnapshotLost
-from sdcguard.recovery import SnapshotCorrupted, SnapshotRing, TrainState
+from sdcguard.guard.erasure import CodedSnapshot, ErasureCode, HostMemory, SnapshotLost
+from sdcguard.guard.recovery import SnapshotCorrupted, SnapshotRing, TrainState
 
 
 def assert_same_state(restored, original):

@@ -13,9 +13,9 @@ import pytest
 from rich.console import Console
 
 from sdcguard.campaign import CampaignConfig, run_campaign
-from sdcguard.inject import Fault, FaultPlan
+from sdcguard.fault_model.inject import Fault, FaultPlan
+from sdcguard.fault_model.sites import site_class
 from sdcguard.models import ByteBatches, GPTConfig
-from sdcguard.sites import site_class
 from sdcguard.training import UNCHECKED_GEMMS, TrainConfig, gemm_sites, make_train_step
 from tests.tolerances import assert_close
 

@@ -16,9 +16,9 @@ from tolerances import PARITY, TOLERANCES, assert_close
 
 from sdcguard import linen as sl
 from sdcguard import nnx as snnx
-from sdcguard.attention import UncheckedAttentionWarning
-from sdcguard.inject import Fault, FaultPlan, faults
-from sdcguard.sites import ATTENTION_SITES
+from sdcguard.fault_model.inject import Fault, FaultPlan, faults
+from sdcguard.fault_model.sites import ATTENTION_SITES
+from sdcguard.protection.attention import UncheckedAttentionWarning
 
 FEATURES, HEADS, LENGTH = 8, 2, 4
 NONE = FaultPlan.from_faults([], capacity=1)

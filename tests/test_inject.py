@@ -5,8 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sdcguard.inject import Fault, FaultPlan, apply, corrupt, faults, parse_spec, restrict_sites
-from sdcguard.sites import FaultKind
+from sdcguard.fault_model.inject import (
+    Fault,
+    FaultPlan,
+    apply,
+    corrupt,
+    faults,
+    parse_spec,
+    restrict_sites,
+)
+from sdcguard.fault_model.sites import FaultKind
 
 SITE = "m/attn:scores"
 
@@ -65,7 +73,7 @@ def test_a_transposed_site_tensor_is_hit_at_the_same_element(axes, seed):
 
 
 def test_a_checked_gemm_is_injected_at_the_einsum_output_index():
-    from sdcguard.abft import ABFTConfig, checked_einsum
+    from sdcguard.protection.abft import ABFTConfig, checked_einsum
 
     a = jax.random.normal(jax.random.key(0), (2, 3, 6, 6))  # [batch, heads, q, k]
     b = jax.random.normal(jax.random.key(1), (2, 6, 3, 4))  # [batch, k, heads, dim]

@@ -7,8 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sdcguard import inject
-from sdcguard.inject import Fault, FaultPlan, HitLog, faults, module_outputs, output_sites
+from sdcguard.fault_model import inject
+from sdcguard.fault_model.inject import (
+    Fault,
+    FaultPlan,
+    HitLog,
+    faults,
+    module_outputs,
+    output_sites,
+)
 from sdcguard.training import TrainConfig, make_train_step, model_output_sites
 
 

@@ -12,10 +12,10 @@ from tolerances import PARITY, TOLERANCES, assert_close
 
 import sdcguard
 from sdcguard import linen as sl
-from sdcguard.abft import NUM_COUNTERS
-from sdcguard.inject import Fault, FaultPlan
+from sdcguard.fault_model.inject import Fault, FaultPlan
+from sdcguard.fault_model.sites import ATTENTION_SITES, GEMM_SITES, GRAD_SUFFIXES
 from sdcguard.models import ByteBatches, GPTConfig
-from sdcguard.sites import ATTENTION_SITES, GEMM_SITES, GRAD_SUFFIXES
+from sdcguard.protection.abft import NUM_COUNTERS
 from sdcguard.training import UNCHECKED, TrainConfig, make_train_step
 
 FEATURES, HEADS, LENGTH, BATCH = 32, 4, 12, 2
@@ -132,7 +132,7 @@ def test_plan_captured_as_constant_is_refused():
     plan = FaultPlan.from_faults([Fault(site="attention:scores", kind="nan", index=0)])
 
     def f(x):
-        with sdcguard.inject.faults(plan):
+        with sdcguard.fault_model.inject.faults(plan):
             return layer.apply(v, x)
 
     with pytest.raises(ValueError, match="argument of the jitted function"):

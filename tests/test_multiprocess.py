@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sdcguard.optim import Reason
+from sdcguard.guard.update_guard import Reason
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 

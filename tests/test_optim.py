@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidevice import needs_8, run_on_8_devices
 
-from sdcguard.optim import (
+from sdcguard.guard.recovery import host_fingerprint
+from sdcguard.guard.update_guard import (
     GuardConfig,
     GuardState,
     Reason,
@@ -24,7 +25,6 @@ from sdcguard.optim import (
     reset_statistics,
     tree_fingerprint,
 )
-from sdcguard.recovery import host_fingerprint
 
 
 def assert_trees_equal(a, b):
@@ -564,7 +564,7 @@ def test_guard_state_stays_replicated_under_check_vma_on_8_devices():
 def test_no_majority_is_refused_without_naming_a_replica_on_8_devices():
     from jax.sharding import PartitionSpec as P
 
-    from sdcguard.optim import _agree_across_replicas
+    from sdcguard.guard.update_guard import _agree_across_replicas
 
     mesh = jax.make_mesh((8,), ("data",))
 

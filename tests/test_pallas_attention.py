@@ -22,10 +22,10 @@ from tolerances import assert_close
 
 from sdcguard import linen as sl
 from sdcguard import nnx as snnx
-from sdcguard.abft import NUM_COUNTERS, ABFTConfig
-from sdcguard.attention import PallasFallbackWarning, SiteRecorder, protected_attention
-from sdcguard.inject import Fault, FaultPlan, faults
-from sdcguard.pallas import interpret_mode
+from sdcguard.fault_model.inject import Fault, FaultPlan, faults
+from sdcguard.protection.abft import NUM_COUNTERS, ABFTConfig
+from sdcguard.protection.attention import PallasFallbackWarning, SiteRecorder, protected_attention
+from sdcguard.protection.pallas import interpret_mode
 
 B, T, F, H = 1, 16, 32, 2  # head_dim F / H = 16
 # The attention core's sites, which the fused kernel checks. The projections are checked by

@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sdcguard import abft, inject
-from sdcguard.attention import SiteRecorder, protected_attention
-from sdcguard.pallas import flash as fa
-from sdcguard.sites import GEMM_SITES
+from sdcguard.fault_model import inject
+from sdcguard.fault_model.sites import GEMM_SITES
+from sdcguard.protection import abft
+from sdcguard.protection.attention import SiteRecorder, protected_attention
+from sdcguard.protection.pallas import flash as fa
 
 # Kernel vs reference, relative to max|x|. float32: online softmax reorders exp/sum and the
 # tile products reorder K-sums (a few ulps, amplified by the softmax); bfloat16: P and dS are

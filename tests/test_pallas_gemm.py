@@ -1,4 +1,4 @@
-"""verify_and_correct and checked_matmul (interpret mode) against the XLA path of sdcguard.abft."""
+"""verify_and_correct and checked_matmul (interpret mode) against the XLA path of the checks."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sdcguard import abft, inject
-from sdcguard.pallas import matmul, verify
+from sdcguard.fault_model import inject
+from sdcguard.protection import abft, checksums
+from sdcguard.protection.pallas import matmul, verify
 
 # Kernel vs reference, elementwise, relative to max|C|. float32: both sum K products in float32
 # in different orders (a few ulps of K·max|a||b|); bfloat16: C is rounded to bf16 (u = 2^-8)
@@ -112,18 +113,18 @@ def test_verify_detect_only_counts_uncorrectable():
 
 
 def test_check_contraction_dropin_matches_abft():
-    """Any einsum: the drop-in canonicalises and gives abft.check_contraction's answer."""
+    """Any einsum: the drop-in canonicalises and gives checksums.check_contraction's answer."""
     kq, kk = jax.random.split(jax.random.key(1))
     q = jax.random.normal(kq, (2, 12, 3, 16))
     k = jax.random.normal(kk, (2, 20, 3, 16))
-    ct = abft.Contraction.parse("bqhd,bkhd->bhqk", 4, 4)
+    ct = checksums.Contraction.parse("bqhd,bkhd->bhqk", 4, 4)
     s = jnp.einsum(ct.spec, q, k, precision="highest")
     bad = s.at[1, 2, 5, 7].set(-jnp.inf)
     cfg = abft.ABFTConfig()
     out, counts = jax.jit(
         lambda s, q, k: verify.check_contraction(s, q, k, ct, config=cfg, interpret=True)
     )(bad, q, k)
-    ref_out, ref_counts = abft.check_contraction(bad, q, k, ct, config=cfg)
+    ref_out, ref_counts = checksums.check_contraction(bad, q, k, ct, config=cfg)
     assert counts.tolist() == ref_counts.tolist() == [1, 1, 0, 0]
     _close(out, ref_out, jnp.float32)
     _close(out, s, jnp.float32)
@@ -204,7 +205,7 @@ def test_checked_contraction_einsum_layout_matches_checked_einsum():
     q = jax.random.normal(kq, (2, 12, 3, 16))
     k = jax.random.normal(kk, (2, 20, 3, 16))
     spec = "bqhd,bkhd->bhqk"
-    ct = abft.Contraction.parse(spec, 4, 4)
+    ct = checksums.Contraction.parse(spec, 4, 4)
     # A random index (from the seed and the site) exercises the index hash and the layout.
     fault = inject.Fault(site=SITE, kind="scale", seed=7, value=-50)
     plan = inject.FaultPlan.from_faults([fault])

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sdcguard import inject
-from sdcguard.inject import Fault, FaultPlan
+from sdcguard.fault_model import inject
+from sdcguard.fault_model.inject import Fault, FaultPlan
 
 B, L, H, D = 2, 16, 4, 8
 

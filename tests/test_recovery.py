@@ -17,9 +17,8 @@ import optax
 import pytest
 from multidevice import needs_8, run_on_8_devices
 
-from sdcguard import recovery
-from sdcguard.optim import refuse_corrupted
-from sdcguard.recovery import (
+from sdcguard.guard import recovery
+from sdcguard.guard.recovery import (
     CheckpointCorrupted,
     CheckpointTier,
     RecoveryConfig,
@@ -29,6 +28,7 @@ from sdcguard.recovery import (
     TrainState,
     train_with_recovery,
 )
+from sdcguard.guard.update_guard import refuse_corrupted
 
 
 def assert_trees_equal(a, b):
@@ -193,7 +193,7 @@ CRASHING_SAVE = textwrap.dedent(
     """
     import os, sys
     import jax.numpy as jnp
-    from sdcguard.recovery import CheckpointTier
+    from sdcguard.guard.recovery import CheckpointTier
     tier = CheckpointTier(sys.argv[1])
     tier.save(1, {"w": jnp.arange(8.0)})
     tier.wait()
@@ -339,7 +339,7 @@ def test_a_plain_orbax_checkpoint_restores_unverified_with_a_warning(tmp_path):
 
 
 def test_whole_tree_fingerprint_in_the_record_matches_tree_fingerprint(tmp_path):
-    from sdcguard.optim import tree_fingerprint
+    from sdcguard.guard.update_guard import tree_fingerprint
 
     state = initial_state()
     state = state._replace(params={**state.params, "bf16": jnp.arange(6, dtype=jnp.bfloat16)})

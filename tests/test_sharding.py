@@ -1,11 +1,11 @@
 """Checks that stay on the device that holds the data, under ``jit`` with ``NamedSharding``.
 
-With automatic axes (XLA's propagation) and explicit axes (sharding in the types), a checked
-GEMM runs on the blocks each device holds (``sdcguard.sharding``): the compiled step gains at
-most one collective (the reduction of the counters), the loss is the unsharded run's, and a
-fault hits, and is corrected on, the one device that computes the element. The tests run with 8
-CPU devices in a subprocess (``multidevice.py``); ``scripts/bench_sharding.py`` covers the
-larger grid (meshes 8x1 and 4x2, shard_map and pmap, a 2-layer LM).
+With automatic axes (XLA's propagation) and explicit axes (sharding in the types), a checked GEMM
+runs on the blocks each device holds (``sdcguard.protection.sharding``): the compiled step gains at
+most one collective (the reduction of the counters), the loss is the unsharded run's, and a fault
+hits, and is corrected on, the one device that computes the element. The tests run with 8 CPU
+devices in a subprocess (``multidevice.py``); ``scripts/bench_sharding.py`` covers the larger grid
+(meshes 8x1 and 4x2, shard_map and pmap, a 2-layer LM).
 """
 
 import functools
@@ -16,14 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import sdcguard.linen as sl
 from multidevice import needs_8, run_on_8_devices
 from tolerances import assert_close
 
 import sdcguard
-import sdcguard.linen as sl
-from sdcguard import sharding
-from sdcguard.inject import Fault, FaultPlan
-from sdcguard.transform import total
+from sdcguard.fault_model.inject import Fault, FaultPlan
+from sdcguard.protection import sharding
+from sdcguard.protection.transform import total
 
 COLLECTIVE = re.compile(
     r"[\]})] (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\("

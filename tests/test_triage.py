@@ -10,7 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-from sdcguard.optim import (
+from sdcguard.guard.triage import with_triage
+from sdcguard.guard.update_guard import (
     GuardConfig,
     Triage,
     describe,
@@ -19,7 +20,6 @@ from sdcguard.optim import (
     refuse_corrupted,
     triage_records,
 )
-from sdcguard.triage import with_triage
 
 
 def assert_trees_equal(a, b):
@@ -154,9 +154,9 @@ def test_reference_gpt_adapts_to_a_curriculum_switch_and_still_refuses_a_transie
     """The data changes alphabet at batch 80 (loss 2.8 -> 6): the guard's spikes are
     recomputed, reproduced, accepted; the loss falls again. A NaN injected at step 120 is
     refused. No RecoveryError, no rollback; without triage the same run ends in one."""
-    from sdcguard.inject import Fault, FaultPlan
+    from sdcguard.fault_model.inject import Fault, FaultPlan
+    from sdcguard.guard.recovery import RecoveryConfig, RecoveryError, train_with_recovery
     from sdcguard.models import ByteBatches, GPTConfig
-    from sdcguard.recovery import RecoveryConfig, RecoveryError, train_with_recovery
     from sdcguard.training import TrainConfig, make_train_step
 
     site = "decoder/block_0/mlp:output"

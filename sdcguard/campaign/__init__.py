@@ -81,8 +81,8 @@ from sdcguard.campaign.trials import (
     make_step,
     trial_key,
 )
+from sdcguard.fault_model.sites import FAULT_KINDS
 from sdcguard.models import GPTConfig
-from sdcguard.sites import FAULT_KINDS
 from sdcguard.training import MODEL_KINDS
 
 __all__ = [
@@ -250,12 +250,15 @@ def _refuse_other_grids(config: CampaignConfig, done: dict[str, dict], path: Pat
 
 # The sources whose behaviour a campaign measures: results name the code that produced them.
 _MEASURED_SOURCES = (
-    "abft.py",
-    "attention.py",
-    "linen.py",
-    "inject.py",
+    "protection/config.py",
+    "protection/checksums.py",
+    "protection/abft.py",
+    "protection/sharding.py",
+    "protection/attention.py",
+    "protection/linen.py",
+    "protection/transform.py",
+    "fault_model/inject.py",
     "training.py",
-    "transform.py",
 )
 
 

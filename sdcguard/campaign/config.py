@@ -8,14 +8,14 @@ import hashlib
 import json
 from pathlib import Path
 
-from sdcguard.models import GPTConfig
-from sdcguard.sites import (
+from sdcguard.fault_model.sites import (
     FAULT_KINDS,
     attention_site_names,
     is_output_site,
-    site_pattern,  # the one pattern grammar of every --sites (sdcguard.sites)
+    site_pattern,
     split_site,
 )
+from sdcguard.models import GPTConfig
 from sdcguard.training import (
     COVERAGES,
     MODEL_KINDS,
@@ -67,7 +67,7 @@ class CampaignConfig:
         of the coverage. Each must name or match a site of the model.
       include_outputs: also inject at every block's and every MLP's output
         (:data:`OUTPUT_GROUPS`), after the sites above.
-      kinds: fault kinds (see :data:`sdcguard.sites.FAULT_KINDS`).
+      kinds: fault kinds (see :data:`sdcguard.fault_model.sites.FAULT_KINDS`).
       bit_range: inclusive ``(lo, hi)`` bits for ``bitflip``; None means the dtype's exponent
         bits (the high-exponent flips that matter).
       value: the value set by ``value`` faults and the factor of ``scale`` faults.

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from sdcguard.campaign.config import CLASSES, PROTECTIONS
 from sdcguard.campaign.studies import PROPAGATION_TENSORS
-from sdcguard.sites import is_output_site, site_class
+from sdcguard.fault_model.sites import is_output_site, site_class
 
 # ATTNChecker's fixed detection threshold: an injected error |new - old| above it is one the
 # paper's method would flag; sdcguard's round-off bound is far tighter on these layers.

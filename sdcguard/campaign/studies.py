@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdcguard import inject
-from sdcguard.abft import NUM_COUNTERS
 from sdcguard.campaign.config import CampaignConfig
 from sdcguard.campaign.trials import _runner, make_fault
-from sdcguard.inject import FaultPlan
+from sdcguard.fault_model import inject
+from sdcguard.fault_model.inject import FaultPlan
+from sdcguard.fault_model.sites import ATTENTION_SITES, GEMM_SITES
 from sdcguard.models import ByteBatches
-from sdcguard.sites import ATTENTION_SITES, GEMM_SITES
+from sdcguard.protection.abft import NUM_COUNTERS
 
 # --- Propagation inside one attention block (unprotected) -------------------------------------
 

@@ -17,19 +17,14 @@ import numpy as np
 import optax
 from rich.console import Console
 
-from sdcguard import inject, linen
-from sdcguard.abft import NUM_COUNTERS, ABFTConfig
 from sdcguard.campaign.config import CampaignConfig, CampaignFileError
-from sdcguard.inject import Fault, FaultPlan
+from sdcguard.fault_model import inject
+from sdcguard.fault_model.inject import Fault, FaultPlan
+from sdcguard.fault_model.sites import is_output_site, site_class
 from sdcguard.models import ByteBatches, GPTConfig
-from sdcguard.sites import is_output_site, site_class
-from sdcguard.training import (
-    UNCHECKED,
-    UNCHECKED_GEMMS,
-    TrainConfig,
-    TrainState,
-    make_train_step,
-)
+from sdcguard.protection import linen
+from sdcguard.protection.abft import NUM_COUNTERS, ABFTConfig
+from sdcguard.training import UNCHECKED, UNCHECKED_GEMMS, TrainConfig, TrainState, make_train_step
 
 # --- The training step of one configuration ----------------------------------------------------
 
@@ -60,7 +55,7 @@ def make_step(
     armed for injection; ``hit_log`` receives every fault that fires."""
     optimizer = optax.adam(learning_rate)
     if protection == "abft+guard":
-        from sdcguard.optim import refuse_corrupted
+        from sdcguard.guard.update_guard import refuse_corrupted
 
         optimizer = refuse_corrupted(optimizer)
     train = TrainConfig(

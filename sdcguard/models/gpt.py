@@ -1,7 +1,8 @@
 """A small pre-LayerNorm decoder GPT built on Flax's attention: the reference workload.
 
 Attention layers are plain ``nn.MultiHeadDotProductAttention`` modules at
-``decoder/block_{i}/attn``, so :func:`sdcguard.linen.protect` swaps them with no change here.
+``decoder/block_{i}/attn``, so :func:`sdcguard.protection.linen.protect` swaps them with no change
+here.
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sdcguard import inject
+from sdcguard.fault_model import inject
+from sdcguard.fault_model.sites import module_path_name, site_id, site_pattern
 from sdcguard.replay.task import ReplayTask
-from sdcguard.sites import module_path_name, site_id, site_pattern
 
 # Every node runs plans of this many faults (unused slots never fire), so that the compiled
 # programs of a healthy and a faulty node are the same.
@@ -58,8 +58,8 @@ def _with_resolved_injection(
     dtypes: dict[str, str] | None = None,
 ):
     """``fn`` traced with injection code only at the ``armed`` sites (see
-    :func:`sdcguard.inject.restrict_sites`); ``sizes`` receives every site's element count,
-    ``dtypes`` its dtype.
+    :func:`sdcguard.fault_model.inject.restrict_sites`); ``sizes`` receives every site's element
+    count, ``dtypes`` its dtype.
 
     The whole trace must be covered, not just the forward: the backward injection points
     (``...grad_lhs``) are traced when ``value_and_grad`` transposes, after the forward returns.
@@ -171,10 +171,10 @@ _swap.defvjp(_swap_fwd, _swap_bwd)
 def selects(pattern: str, module: str) -> bool:
     """Whether a ``--sites`` pattern selects ``module`` for capture.
 
-    Patterns follow :func:`sdcguard.sites.site_pattern`. One without ``:`` is matched against
-    module paths (``decoder/block_*/mlp``, ``decoder/**``); one with ``:`` names sites
-    (``decoder/block_0/mlp/fc_in:kernel.grad``, ``decoder/block_1/attn:scores``) and selects
-    the modules whose path its part before the last ``:`` matches.
+    Patterns follow :func:`sdcguard.fault_model.sites.site_pattern`. One without ``:`` is matched
+    against module paths (``decoder/block_*/mlp``, ``decoder/**``); one with ``:`` names sites
+    (``decoder/block_0/mlp/fc_in:kernel.grad``, ``decoder/block_1/attn:scores``) and selects the
+    modules whose path its part before the last ``:`` matches.
     """
     path = pattern.rpartition(":")[0] if ":" in pattern else pattern
     return site_pattern(path).fullmatch(module) is not None
@@ -299,8 +299,8 @@ class Hooks:
 
 @contextlib.contextmanager
 def _hooked(task: ReplayTask, hooks: Hooks, plan):
-    from sdcguard.abft import ABFTConfig
-    from sdcguard.linen import protect
+    from sdcguard.protection.abft import ABFTConfig
+    from sdcguard.protection.linen import protect
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(inject.faults(plan))
@@ -318,8 +318,8 @@ def _gemm_sites(task: ReplayTask, fn, plan):
     nothing and keeps the injection points, named by module path."""
     if not task.gemm_sites:
         return fn
-    from sdcguard import transform
-    from sdcguard.abft import ABFTConfig
+    from sdcguard.protection import transform
+    from sdcguard.protection.abft import ABFTConfig
 
     unchecked = transform.checked(fn, ABFTConfig(include=()))
 

@@ -437,9 +437,9 @@ def sites_command(args) -> int:
 def _sites(args) -> int:
     import jax
 
+    from sdcguard.fault_model.sites import match_sites
     from sdcguard.replay.capture import Programs, selects
     from sdcguard.replay.task import load_task
-    from sdcguard.sites import match_sites
 
     task = load_task(args.task)
     params = task.abstract_params()

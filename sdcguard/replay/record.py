@@ -25,11 +25,11 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from sdcguard import inject
+from sdcguard.fault_model import inject
+from sdcguard.fault_model.sites import match_sites
 from sdcguard.replay import capture, determinism
 from sdcguard.replay.task import DEFAULT_TASK, ReplayTask, load_task
 from sdcguard.replay.trace import Trace, TraceError, TraceWriter
-from sdcguard.sites import match_sites
 
 LEVELS = ("submodule", "step", "trajectory")
 
@@ -43,7 +43,7 @@ class RecordOptions:
       steps, seed, checkpoint: overrides of the task's fields (None: keep the task's).
       levels: subset of LEVELS.
       sites: ``--sites`` patterns of the submodules to capture (None: all); module paths or
-        site names in the grammar of :func:`sdcguard.sites.site_pattern`, see
+        site names in the grammar of :func:`sdcguard.fault_model.sites.site_pattern`, see
         :func:`sdcguard.replay.capture.selects`. Each must match something.
       inject: fault specs (``site=...,kind=...``) this node runs with; ``step=-1`` (the
         default) fires at every step that runs.

@@ -18,6 +18,9 @@ apart from the trace and never mistaken for it; the node's own prints go to its 
 Temporary directories (a trace being written, a replaced one, a command's work directory) are
 named ``PREFIX-<host tag>-<pid>-XXXX``; one left behind by a killed process on this host is
 removed by the next run that writes there (:func:`clean_stale`).
+
+Why one module: the trace layout, its atomic writer, its verifying reader and the framed stream must
+agree byte for byte; one module keeps the one layout in one place.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Fault plans and fault injection: faults are data, not code.
 
-A :class:`FaultPlan` is a pytree of arrays (one entry per fault). It is passed into jitted code
-as an argument, so a campaign of thousands of different faults compiles once. Inside the traced
+A :class:`FaultPlan` is a pytree of arrays (one entry per fault). It is passed into jitted code as
+an argument, so a campaign of thousands of different faults compiles once. Inside the traced
 function, :func:`faults` makes the plan visible to every protected site; each site applies the
-faults addressed to it (by :func:`sdcguard.sites.site_id`) to the tensor it has just produced,
-before any check runs -- exactly where a faulty GEMM would have put them.
+faults addressed to it (by :func:`sdcguard.fault_model.sites.site_id`) to the tensor it has just
+produced, before any check runs -- exactly where a faulty GEMM would have put them.
 
 Example:
   >>> plan = FaultPlan.from_faults([
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdcguard.sites import (
+from sdcguard.fault_model.sites import (
     NEAR_INF,
     FaultKind,
     is_output_site,
@@ -168,7 +168,7 @@ def active_plan(like: jax.Array | None = None) -> FaultPlan | None:
     plan_traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(plan))
     if _is_staged(like) and not plan_traced:
         raise ValueError(
-            "sdcguard.inject.faults() got a concrete FaultPlan inside a traced function: it "
+            "sdcguard.faults() got a concrete FaultPlan inside a traced function: it "
             "would be compiled in as a constant and reused for every later plan. Pass the plan "
             "as an argument of the jitted function and enter faults(plan) inside it."
         )

@@ -1,23 +1,28 @@
 """``sdcguard.checked``: every GEMM of any JAX function, forward and backward, under ABFT.
 
 ``checked(fn)`` traces ``fn`` to a jaxpr and evaluates it again with every floating-point
-``dot_general`` replaced by the same GEMM followed by its checksum check (detect, locate,
-correct: :func:`sdcguard.abft.check_contraction`). It works on the program, not on the model
-code, so it reaches every GEMM whatever wrote it (Flax linen or NNX, Equinox, plain ``jnp``),
-inside ``jit``, ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp`` bodies
-and ``shard_map``; and when ``fn`` is a training step that calls ``jax.grad``, the backward
-GEMMs that ``grad`` produced are ``dot_general`` s of the same program and are checked too.
+``dot_general`` replaced by the same GEMM followed by its checksum check (detect, locate, correct:
+:func:`sdcguard.protection.checksums.check_contraction`). It works on the program, not on the model
+code, so it reaches every GEMM whatever wrote it (Flax linen or NNX, Equinox, plain ``jnp``), inside
+``jit``, ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp`` bodies and
+``shard_map``; and when ``fn`` is a training step that calls ``jax.grad``, the backward GEMMs that
+``grad`` produced are ``dot_general`` s of the same program and are checked too.
 
-Under sharding each device checks the GEMM it computes, on the blocks it holds: inside
-``shard_map`` and ``pmap`` the program is already per device; under ``jit`` with ``NamedSharding``
-(automatic or explicit axes) each checked GEMM is partitioned by :mod:`sdcguard.sharding`, and
-the counters, one row per device, are summed in one all-reduce at the end of the step.
+Under sharding each device checks the GEMM it computes, on the blocks it holds: inside ``shard_map``
+and ``pmap`` the program is already per device; under ``jit`` with ``NamedSharding`` (automatic or
+explicit axes) each checked GEMM is partitioned by :mod:`sdcguard.protection.sharding`, and the
+counters, one row per device, are summed in one all-reduce at the end of the step.
 
 Each GEMM is a *site*, named by where it is in the model: the module path that Flax and
 ``jax.named_scope`` leave in the program (``Model/decoder/block_0/mlp/Dense_0:dot_general``), or,
 for code without scopes, the Python call path (``loss/Block.__call__/MLP.__call__/...``); the
 two gradient GEMMs of a forward GEMM carry its name with ``.grad_lhs`` / ``.grad_rhs``.
 :func:`list_sites` lists them; ``ABFTConfig(include=..., exclude=...)`` selects them by glob.
+
+Why one module: the transform is one interpreter over a jaxpr, one rule per primitive that can hold
+a GEMM (``pjit``, ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp``,
+``shard_map``); the rules call each other recursively and share the naming of sites, so split they
+would still be read as one.
 
 Example:
   >>> step = sdcguard.checked(train_step)               # same arguments as train_step
@@ -42,9 +47,10 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jex_core
 
-from sdcguard import abft, inject, sharding
-from sdcguard.abft import NUM_COUNTERS, ABFTConfig
+from sdcguard.fault_model import inject
 from sdcguard.in_place import apply_if
+from sdcguard.protection import abft, checksums, sharding
+from sdcguard.protection.abft import NUM_COUNTERS, ABFTConfig
 
 __all__ = ["GemmSite", "checked", "list_sites", "total"]
 
@@ -393,8 +399,8 @@ class _Evaluator:
             return eqn.primitive.bind(lhs, rhs, **params), {}
         # One stored value of each operand for the GEMM and its checksums (see abft._as_stored).
         lhs, rhs = abft._as_stored(lhs), abft._as_stored(rhs)
-        spec = abft.dot_general_to_einsum(lhs.ndim, rhs.ndim, params["dimension_numbers"])
-        contraction = abft.Contraction.parse(spec, lhs.ndim, rhs.ndim)
+        spec = checksums.dot_general_to_einsum(lhs.ndim, rhs.ndim, params["dimension_numbers"])
+        contraction = checksums.Contraction.parse(spec, lhs.ndim, rhs.ndim)
         plan = inject.active_plan(like=lhs)
         mesh = sharding.device_mesh(lhs, rhs) if self.sharded else None
         # Under sharding the GEMM runs on each device's blocks, so its output sharding is the
@@ -404,7 +410,7 @@ class _Evaluator:
         def local(a, b, plan, block):
             out = eqn.primitive.bind(a, b, **local_params)
             out = block.inject(out, plan, name, axes=tuple(range(out.ndim)))
-            return abft.check_contraction(
+            return checksums.check_contraction(
                 out, a, b, contraction, config=self.config, precision=params.get("precision")
             )
 
@@ -657,7 +663,7 @@ def checked(fn: Callable, config: ABFTConfig | None = None) -> Callable:
 
     Example:
       >>> out, report = sdcguard.checked(train_step)(state, batch)
-      >>> bad = sum(sdcguard.abft.unsafe_checks(c) for c in report.values())
+      >>> bad = sum(sdcguard.protection.abft.unsafe_checks(c) for c in report.values())
     """
     config = ABFTConfig() if config is None else config
 

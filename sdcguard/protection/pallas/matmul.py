@@ -9,10 +9,11 @@ as ``[batch, tiles, M]`` / ``[batch, tiles, N]`` vectors, so the comparison is o
 ``[batch, M + N]`` numbers and ``C`` is never re-read on the clean path.
 
 The flags are whole-matrix rows and columns with the tolerance of
-:func:`sdcguard.abft.roundoff_gamma`, and the fault path is the locate/apply passes of
-:mod:`sdcguard.pallas.verify` (under ``lax.cond``), so detections, corrections and counters are
-those of :func:`sdcguard.abft.check_contraction`. :func:`checked_matmul_reference` is that XLA
-path (einsum, :func:`sdcguard.inject.apply`, check) on the same layout.
+:func:`sdcguard.protection.checksums.roundoff_gamma`, and the fault path is the locate/apply passes
+of :mod:`sdcguard.protection.pallas.verify` (under ``lax.cond``), so detections, corrections and
+counters are those of :func:`sdcguard.protection.checksums.check_contraction`.
+:func:`checked_matmul_reference` is that XLA path (einsum,
+:func:`sdcguard.fault_model.inject.apply`, check) on the same layout.
 
 Example:
   >>> c, counts = checked_matmul(a, b, interpret=True)   # a: [B, M, K], b: [B, K, N]
@@ -28,9 +29,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from sdcguard import abft, inject
-from sdcguard.pallas import verify
-from sdcguard.pallas._common import (
+from sdcguard.fault_model import inject
+from sdcguard.protection.checksums import Contraction, check_contraction
+from sdcguard.protection.config import ABFTConfig, zero_counts
+from sdcguard.protection.pallas import verify
+from sdcguard.protection.pallas._common import (
     cdiv,
     check_block,
     fault_table,
@@ -194,7 +197,7 @@ def checked_matmul(
     check: bool = True,
     correct: bool = True,
     safety: float = 1.0,
-    near_inf: float = abft.ABFTConfig().near_inf,
+    near_inf: float = ABFTConfig().near_inf,
     precision=None,
     out_dtype=None,
     faults=None,
@@ -210,7 +213,7 @@ def checked_matmul(
       safety: multiplier on the round-off bound; near_inf: magnitude located directly.
       precision: MMA precision (``None``: TF32 for float32 on GPU, accounted for in the bound).
       out_dtype: dtype of ``C`` (default: that of the inputs).
-      faults: a :class:`sdcguard.pallas._common.FaultTable` with coordinates
+      faults: a :class:`sdcguard.protection.pallas._common.FaultTable` with coordinates
         ``(batch, 0, row, col)``, injected into the tile as it leaves the MMA (see
         :func:`checked_contraction`, which builds it from a ``FaultPlan``).
       block_sizes: tiles.
@@ -236,7 +239,7 @@ def checked_matmul(
         interpret=interpret,
     )
     if not check:
-        return outs[0], abft.zero_counts()
+        return outs[0], zero_counts()
     c, rsum, rref, rbnd, csum, cref, cbnd = outs
     sums = verify.Checksums(
         col=jnp.sum(cref, axis=1),
@@ -265,22 +268,22 @@ def checked_matmul_reference(
     *,
     correct: bool = True,
     safety: float = 1.0,
-    near_inf: float = abft.ABFTConfig().near_inf,
+    near_inf: float = ABFTConfig().near_inf,
     precision=None,
     out_dtype=None,
     plan: inject.FaultPlan | None = None,
     site: str = "reference:gemm",
 ) -> tuple[jax.Array, jax.Array]:
-    """Pure-jnp reference of :func:`checked_matmul`: einsum, inject, ``abft.check_contraction``."""
-    config = abft.ABFTConfig(correct=correct, safety=safety, near_inf=near_inf)
+    """Pure-jnp reference of :func:`checked_matmul`: einsum, inject, ``check_contraction``."""
+    config = ABFTConfig(correct=correct, safety=safety, near_inf=near_inf)
     c = jnp.einsum(
         "bmk,bkn->bmn", a, b, precision=precision, preferred_element_type=out_dtype or a.dtype
     )
     c = inject.apply(c, plan, site)
-    return abft.check_contraction(c, a, b, verify.CANONICAL, config=config, precision=precision)
+    return check_contraction(c, a, b, verify.CANONICAL, config=config, precision=precision)
 
 
-def contraction_faults(plan, site: str, a, b, contraction: abft.Contraction):
+def contraction_faults(plan, site: str, a, b, contraction: Contraction):
     """The fault table of ``site`` mapped from the einsum output layout to ``(batch, m, n)``."""
     ct = contraction
     dims = verify.contraction_dims(a, b, ct)
@@ -304,9 +307,9 @@ def contraction_faults(plan, site: str, a, b, contraction: abft.Contraction):
 def checked_contraction(
     a: jax.Array,
     b: jax.Array,
-    contraction: abft.Contraction,
+    contraction: Contraction,
     *,
-    config: abft.ABFTConfig,
+    config: ABFTConfig,
     site: str,
     plan: inject.FaultPlan | None = None,
     check: bool = True,

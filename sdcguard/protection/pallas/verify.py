@@ -1,14 +1,15 @@
 """``verify_and_correct``: checks a GEMM computed elsewhere (e.g. by XLA) against its checksums.
 
 For ``C = A·B`` batched as ``[batch, M, K] x [batch, K, N]``, given ``C`` and the reference
-checksums of the inputs (``(eᵀA)B`` per column, ``A(Be)`` per row, and the ``|A||B|`` bounds),
-the clean path is **one** tiled read of ``C`` (:func:`_sums_kernel`) that produces partial row
-and column sums; the comparison is over ``[batch, M + N]`` vectors. Only when a line is flagged
-(``lax.cond``) do two more passes run: one that locates (counts located elements and the sums of
-the rest per line, :func:`_locate_kernel`) and one that writes the corrections in place
+checksums of the inputs (``(eᵀA)B`` per column, ``A(Be)`` per row, and the ``|A||B|`` bounds), the
+clean path is **one** tiled read of ``C`` (:func:`_sums_kernel`) that produces partial row and
+column sums; the comparison is over ``[batch, M + N]`` vectors. Only when a line is flagged
+(``lax.cond``) do two more passes run: one that locates (counts located elements and the sums of the
+rest per line, :func:`_locate_kernel`) and one that writes the corrections in place
 (:func:`_apply_kernel`, aliased to ``C``). The decisions between them are the exact rules of
-:func:`sdcguard.abft.check_contraction`, on whole matrices, so the counters agree with the XLA
-path; :func:`verify_and_correct_reference` is that XLA path on the same canonical layout.
+:func:`sdcguard.protection.checksums.check_contraction`, on whole matrices, so the counters agree
+with the XLA path; :func:`verify_and_correct_reference` is that XLA path on the same canonical
+layout.
 
 Example:
   >>> sums = encode(a, b)
@@ -27,10 +28,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from sdcguard import abft
-from sdcguard.pallas._common import cdiv, check_block, resolve_interpret
+from sdcguard.protection import checksums
+from sdcguard.protection.checksums import Contraction, input_rounding, repair_if, roundoff_gamma
+from sdcguard.protection.config import ABFTConfig, count_outcomes
+from sdcguard.protection.pallas._common import cdiv, check_block, resolve_interpret
 
-CANONICAL = abft.Contraction("bmk", "bkn", "bmn")
+CANONICAL = Contraction("bmk", "bkn", "bmn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -216,10 +219,10 @@ def flag_lines(
 ):
     """Flags rows ``[batch, M]`` and columns ``[batch, N]`` whose sums leave the round-off bound."""
     m, n = row_sum.shape[-1], col_sum.shape[-1]
-    gamma_col = abft.roundoff_gamma(
+    gamma_col = roundoff_gamma(
         out_dtype=out_dtype, contraction=k, line=m, input_unit=input_unit, safety=safety
     )
-    gamma_row = abft.roundoff_gamma(
+    gamma_row = roundoff_gamma(
         out_dtype=out_dtype, contraction=k, line=n, input_unit=input_unit, safety=safety
     )
     # `not <=` so that NaN deviations are flagged too.
@@ -241,7 +244,7 @@ def locate_and_correct(
     block_sizes: BlockSizes,
     interpret: bool,
 ):
-    """The fault path: locate, decide per matrix (rules of ``abft.check_contraction``), repair.
+    """The fault path: locate, decide per matrix (rules of ``check_contraction``), repair.
 
     Args:
       c: ``[batch, M, N]`` (any float dtype), a: ``[batch, M, K]``, b: ``[batch, K, N]``.
@@ -275,7 +278,7 @@ def locate_and_correct(
     per_row, per_col = jnp.sum(nrow, axis=1), jnp.sum(ncol, axis=1)
     rest_row, rest_col = jnp.sum(rrow, axis=1), jnp.sum(rcol, axis=1)
 
-    # The decisions of abft.check_contraction, per matrix, on [batch, M + N] vectors.
+    # The decisions of check_contraction, per matrix, on [batch, M + N] vectors.
     some = jnp.any(per_row > 0, axis=1)
     covered = jnp.all(~bad_row | (per_row > 0), axis=1) & jnp.all(~bad_col | (per_col > 0), axis=1)
     by_col = some & covered & jnp.all(per_col <= 1, axis=1)
@@ -285,8 +288,8 @@ def locate_and_correct(
     flagged = jnp.any(bad_row, axis=1) | jnp.any(bad_col, axis=1)
     repaired = flagged & (by_col | by_row | one_row | one_col)
     if not correct:
-        return c, abft._counts(jnp.sum(flagged), 0 * jnp.sum(flagged))
-    counts = abft._counts(jnp.sum(flagged), jnp.sum(repaired))
+        return c, count_outcomes(jnp.sum(flagged), 0 * jnp.sum(flagged))
+    counts = count_outcomes(jnp.sum(flagged), jnp.sum(repaired))
 
     # A single bad row (column) is recomputed from A and B: a vector-matrix product.
     hi = jax.lax.Precision.HIGHEST
@@ -340,7 +343,7 @@ def verify_and_correct(
     line_sums_of_c: tuple[jax.Array, jax.Array] | None = None,
     correct: bool = True,
     safety: float = 1.0,
-    near_inf: float = abft.ABFTConfig().near_inf,
+    near_inf: float = ABFTConfig().near_inf,
     precision=None,
     block_sizes: BlockSizes = BlockSizes(),
     interpret: bool | None = None,
@@ -353,7 +356,8 @@ def verify_and_correct(
         path, to recompute a whole bad row or column).
       checksums: reference checksums; computed with :func:`encode` when None.
       line_sums_of_c: precomputed ``(row sums [batch, M], column sums [batch, N])`` of ``c``
-        (e.g. from :func:`sdcguard.pallas.matmul.checked_matmul`), skipping the read of ``c``.
+        (e.g. from :func:`sdcguard.protection.pallas.matmul.checked_matmul`), skipping the read of
+        ``c``.
       correct: repair located errors (else detect only; detections count as uncorrectable).
       safety: multiplier on the round-off bound.
       near_inf: magnitude located directly in a flagged line.
@@ -386,7 +390,7 @@ def verify_and_correct(
         sums,
         out_dtype=c.dtype,
         k=a.shape[2],
-        input_unit=abft.input_rounding(a.dtype, precision),
+        input_unit=input_rounding(a.dtype, precision),
         safety=safety,
     )
     flagged_any = jnp.any(bad_row) | jnp.any(bad_col)
@@ -405,7 +409,7 @@ def verify_and_correct(
             interpret=interpret,
         )
 
-    return abft.repair_if(flagged_any, fault_path, c)
+    return repair_if(flagged_any, fault_path, c)
 
 
 def verify_and_correct_reference(
@@ -415,18 +419,18 @@ def verify_and_correct_reference(
     *,
     correct: bool = True,
     safety: float = 1.0,
-    near_inf: float = abft.ABFTConfig().near_inf,
+    near_inf: float = ABFTConfig().near_inf,
     precision=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Pure-jnp reference of :func:`verify_and_correct`: the XLA path on the same layout."""
-    config = abft.ABFTConfig(correct=correct, safety=safety, near_inf=near_inf)
-    return abft.check_contraction(c, a, b, CANONICAL, config=config, precision=precision)
+    config = ABFTConfig(correct=correct, safety=safety, near_inf=near_inf)
+    return checksums.check_contraction(c, a, b, CANONICAL, config=config, precision=precision)
 
 
-# --- The drop-in for abft.check_contraction ----------------------------------------------------
+# --- The drop-in for check_contraction ----------------------------------------------------
 
 
-def canonical_operands(a, b, contraction: abft.Contraction):
+def canonical_operands(a, b, contraction: Contraction):
     """``a -> [batch, M, K]``, ``b -> [batch, K, N]`` for any pure contraction (transposes)."""
     ct = contraction
     return (
@@ -450,7 +454,7 @@ def _uncanonical(y, term: str, groups: tuple[str, ...], dims: dict):
     return jnp.transpose(y, tuple(order.index(ch) for ch in term))
 
 
-def contraction_dims(a, b, contraction: abft.Contraction) -> dict:
+def contraction_dims(a, b, contraction: Contraction) -> dict:
     """Size of every einsum letter of the contraction."""
     ct = contraction
     return {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
@@ -460,14 +464,15 @@ def check_contraction(
     c: jax.Array,
     a: jax.Array,
     b: jax.Array,
-    contraction: abft.Contraction,
+    contraction: Contraction,
     *,
-    config: abft.ABFTConfig,
+    config: ABFTConfig,
     precision=None,
     block_sizes: BlockSizes = BlockSizes(),
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Drop-in for :func:`sdcguard.abft.check_contraction` that runs :func:`verify_and_correct`.
+    """Drop-in for :func:`sdcguard.protection.checksums.check_contraction` that runs
+    :func:`verify_and_correct`.
 
     Same arguments (plus the kernel settings) and the same ``(c_checked, counts)`` result; the
     operands are brought to the canonical ``[batch, M, K] x [batch, K, N]`` layout first.

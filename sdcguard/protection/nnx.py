@@ -6,16 +6,16 @@ Flax's layer (``nnx.split(layer, nnx.Param)`` works as for Flax's); the counters
 variables:
 
   ``sdc_counts`` (:class:`SDCCounts`): int32 ``[7, NUM_COUNTERS]`` forward counters (rows:
-    ATTENTION_SITES; columns: :class:`sdcguard.abft.Counts`), accumulated in place; created by
-    the first call (or by :func:`protect`).
+    ATTENTION_SITES; columns: :class:`sdcguard.protection.abft.Counts`), accumulated in place;
+    created by the first call (or by :func:`protect`).
   ``sdc_sinks`` (:class:`SDCSink`): float32 ``[6, 2, NUM_COUNTERS]`` zeros whose gradient holds
     the backward counters: made by :func:`protect` or :func:`init_sinks`; differentiate with
     ``nnx.DiffState(0, nnx.Any(nnx.Param, SDCSink))``.
 
 Example:
-  >>> model = sdcguard.nnx.protect(model, ABFTConfig())
+  >>> model = sdcguard.protection.nnx.protect(model, ABFTConfig())
   >>> y = model(x)
-  >>> sdcguard.nnx.sdc_stats(model)["blocks/0/attn:scores"]
+  >>> sdcguard.protection.nnx.sdc_stats(model)["blocks/0/attn:scores"]
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ from flax import errors as flax_errors
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from sdcguard.abft import NUM_COUNTERS, ABFTConfig
-from sdcguard.attention import (
+from sdcguard.fault_model.sites import ATTENTION_SITES, GEMM_SITES, GRAD_SUFFIXES, site_name
+from sdcguard.protection.abft import NUM_COUNTERS, ABFTConfig
+from sdcguard.protection.attention import (
     SiteRecorder,
     UncheckedAttentionWarning,
     current_recorder,
     protected_attention,
     recording,
 )
-from sdcguard.sites import ATTENTION_SITES, GEMM_SITES, GRAD_SUFFIXES, site_name
 
 # Flax's class and core, bound once: a test harness may replace the names in flax.nnx by ours.
 _FlaxMultiHeadAttention = nnx.MultiHeadAttention
@@ -98,7 +98,9 @@ def attention_fn(
     """
     recorder = current_recorder()
     if recorder is None:
-        raise RuntimeError("sdcguard.nnx.attention_fn runs inside a protected layer only")
+        raise RuntimeError(
+            "sdcguard.protection.nnx.attention_fn runs inside a protected layer only"
+        )
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
     if is_causal:
         causal = jnp.tril(jnp.ones((query.shape[-3], key.shape[-3]), bool))
@@ -309,7 +311,7 @@ def backward_stats(model: nnx.Module, grads: nnx.State) -> dict[str, np.ndarray]
                     "before differentiating"
                     if layer.sdc_sinks is None
                     else "the gradients hold no SDCSink; differentiate with "
-                    "nnx.DiffState(0, nnx.Any(nnx.Param, sdcguard.nnx.SDCSink))"
+                    "nnx.DiffState(0, nnx.Any(nnx.Param, sdcguard.protection.nnx.SDCSink))"
                 )
             )
         for i, s in enumerate(GEMM_SITES):

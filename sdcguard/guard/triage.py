@@ -1,12 +1,12 @@
 """Triage by deterministic recompute: is a spike real, or silent data corruption?
 
 Silent data corruption does not reproduce; data, schedule and model do. The update guard
-(:func:`sdcguard.optim.refuse_corrupted`) sees a gradient-norm or loss spike but cannot tell a
-curriculum switch from a flipped exponent bit. :func:`with_triage` wraps a whole training step:
-when the guard refuses an update for a spike alone, the step is computed again from the same
-state and batch, inside the same compiled program (a loop of zero or one trips, so a clean
-step pays for one scalar test). The guard of the second pass compares its gradient norm and
-loss with the first pass's:
+(:func:`sdcguard.guard.update_guard.refuse_corrupted`) sees a gradient-norm or loss spike but cannot
+tell a curriculum switch from a flipped exponent bit. :func:`with_triage` wraps a whole training
+step: when the guard refuses an update for a spike alone, the step is computed again from the same
+state and batch, inside the same compiled program (a loop of zero or one trips, so a clean step pays
+for one scalar test). The guard of the second pass compares its gradient norm and loss with the
+first pass's:
 
 - bit-identical: the spike is real. The update is accepted (or the batch skipped, with
   ``GuardConfig(real_spike="skip")``) and the statistics take the value, so a lasting change
@@ -14,9 +14,9 @@ loss with the first pass's:
 - different: the first pass was corrupted. The second pass's result stands if it passes every
   check (``Triage.SDC_CORRECTED``), else it is refused; either way an SDC event is counted.
 
-Non-finite values, ABFT's unsafe checks and disagreeing replicas are refused without a
-recompute. Every decision is in the guard state (:func:`sdcguard.optim.triage_records`) and,
-under :func:`sdcguard.recovery.train_with_recovery`, in ``RunReport.triage``.
+Non-finite values, ABFT's unsafe checks and disagreeing replicas are refused without a recompute.
+Every decision is in the guard state (:func:`sdcguard.guard.update_guard.triage_records`) and, under
+:func:`sdcguard.guard.recovery.train_with_recovery`, in ``RunReport.triage``.
 
 Example:
   >>> tx = sdcguard.refuse_corrupted(optax.adam(1e-3))
@@ -36,8 +36,8 @@ from typing import Any
 
 import jax
 
+from sdcguard.guard.update_guard import GuardState, arm_recheck, find_guard_state, needs_triage
 from sdcguard.in_place import apply_if
-from sdcguard.optim import GuardState, arm_recheck, find_guard_state, needs_triage
 
 __all__ = ["with_triage"]
 
@@ -62,7 +62,7 @@ def with_triage(
     ``step_fn(*args)`` must be a pure function of its arguments (the same arguments give the
     same result, bit for bit: draw randomness from a key in the arguments). Its argument
     ``args[state_argnum]`` holds the guard state of the optimizer (exactly one
-    :class:`~sdcguard.optim.GuardState`, at any depth) and so does its result. Call the
+    :class:`~sdcguard.guard.update_guard.GuardState`, at any depth) and so does its result. Call the
     wrapped step under ``jax.jit`` (or inside a jitted function, ``shard_map`` or ``pmap``):
     both passes are in one program, and a clean step only adds a loop of zero trips.
 
@@ -84,7 +84,7 @@ def with_triage(
     Example:
       >>> step = jax.jit(with_triage(step))          # step(state, batch) -> state
       >>> state = step(state, batch)
-      >>> sdcguard.optim.triage_records(find_guard_state(state.opt_state))
+      >>> sdcguard.guard.update_guard.triage_records(find_guard_state(state.opt_state))
     """
 
     @functools.wraps(step_fn)

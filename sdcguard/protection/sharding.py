@@ -66,12 +66,13 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdcguard import inject
+from sdcguard.fault_model import inject
 
-if TYPE_CHECKING:  # the checked GEMMs of sdcguard.abft call into this module, not back
-    from sdcguard.abft import Contraction
+if TYPE_CHECKING:  # the checked GEMMs of sdcguard.protection.abft call into this module, not back
+    from sdcguard.protection.checksums import Contraction
 
-# The counters of a check, ``sdcguard.abft.Counts`` (tests/test_abft.py checks they agree).
+# The counters of a check, ``sdcguard.protection.abft.Counts`` (tests/test_abft.py checks they
+# agree).
 NUM_COUNTERS = 4
 
 __all__ = [
@@ -106,7 +107,7 @@ class Block:
         """The faults of ``plan`` at ``site`` that fall in this block, applied to ``c``.
 
         Element indices name elements of the whole site tensor, whose axis ``axes[i]`` is
-        axis ``i`` of ``c`` (as in :func:`sdcguard.inject.apply`).
+        axis ``i`` of ``c`` (as in :func:`sdcguard.fault_model.inject.apply`).
         """
         if self.offsets is None:
             return inject.apply(c, plan, site, axes=axes)

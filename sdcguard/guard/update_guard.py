@@ -15,12 +15,12 @@ Two kinds of check:
   that disagree. What they see is corrupt whatever caused it: the update is refused.
 - *Spike* checks: the gradient norm or the loss far above its recent values. A spike may be
   corruption or real (a curriculum switch, a hard batch, a learning-rate warm-up). Silent data
-  corruption does not reproduce; data, schedule and model do. :func:`sdcguard.triage.with_triage`
-  wraps a training step so that a step the guard would refuse for a spike alone is computed
-  again from the same state and batch, in the same compiled program: a bit-identical result is
-  a real spike (accepted, or skipped with ``real_spike="skip"``, and the statistics adapt), a
-  different one was corruption (the recomputation is used, and counted as an SDC event).
-  Without that wrapper a spike is refused.
+  corruption does not reproduce; data, schedule and model do.
+  :func:`sdcguard.guard.triage.with_triage` wraps a training step so that a step the guard would
+  refuse for a spike alone is computed again from the same state and batch, in the same compiled
+  program: a bit-identical result is a real spike (accepted, or skipped with ``real_spike="skip"``,
+  and the statistics adapt), a different one was corruption (the recomputation is used, and counted
+  as an SDC event). Without that wrapper a spike is refused.
 
 The spike statistics are robust: the median and the upper quartile of the last ``window``
 accepted values (log gradient norms, losses). A refused value never enters
@@ -32,9 +32,13 @@ of the state; :func:`reset_statistics` empties them (for a planned change of the
 Unlike ``optax.apply_if_finite`` it also catches finite corruption, records *why* in a bit
 mask (:class:`Reason`), and never silently accepts after repeated failures: after
 ``max_consecutive`` refusals in a row it sets ``rollback_needed``, which the training loop in
-:mod:`sdcguard.recovery` answers by restoring the last good snapshot. ``refused``, ``reason``,
+:mod:`sdcguard.guard.recovery` answers by restoring the last good snapshot. ``refused``, ``reason``,
 ``rollback_needed`` and ``statistics`` are fields of :class:`GuardState`, so
 ``optax.tree_utils.tree_get(opt_state, "reason")`` finds them in any optimizer state.
+
+Why one module: the guard is one Optax transformation whose state (:class:`GuardState`) every
+reason, statistic, cross-replica check and triage hook reads and writes; split, each piece would
+import that state and the others' helpers back.
 
 Example:
   >>> tx = refuse_corrupted(optax.adamw(1e-3), max_consecutive=3)
@@ -97,7 +101,7 @@ _DIFFERED = 1 << 16
 
 
 class Triage(enum.IntEnum):
-    """The outcome of triaging a spike by recomputing its step (see :mod:`sdcguard.triage`)."""
+    """The outcome of triaging a spike by recomputing its step (:mod:`sdcguard.guard.triage`)."""
 
     NONE = 0  # the update was not a recomputation
     REAL_ACCEPTED = 1  # bit-identical again: a real spike; the update was applied
@@ -158,7 +162,7 @@ class GuardConfig:
         loss more than ``(ratio - 1) * |max|`` above the largest) is a spike, in the warm-up
         and after it (where a window that straddles a real change has a wide spread).
       check_abft: refuse when the ``abft_uncorrectable`` extra argument is positive (pass
-        :func:`sdcguard.abft.unsafe_checks` of the counters: uncorrectable and non-finite
+        :func:`sdcguard.protection.abft.unsafe_checks` of the counters: uncorrectable and non-finite
         inputs).
       max_consecutive: refusals in a row after which ``rollback_needed`` is set.
       axis_name: a data-parallel axis (``shard_map``/``pmap``) over which the replicas must
@@ -628,7 +632,7 @@ def _agree_across_replicas(
     replicated.
 
     ``replicas`` (bool ``[axis size]``, None: all) are the replicas that take part: one that
-    is out of training (quarantined or lost, :mod:`sdcguard.degraded`) neither votes nor
+    is out of training (quarantined or lost, :mod:`sdcguard.guard.degraded`) neither votes nor
     contributes reasons.
 
     Returns:
@@ -716,11 +720,11 @@ def refuse_corrupted(
     enabled check fires. A refused step returns all-zero updates and keeps ``inner_state`` bit
     for bit; the reason is in ``state.reason``. A check whose input is absent is skipped.
 
-    With ``axis_name`` set, call ``update`` inside ``shard_map``/``pmap`` with gradients
-    already reduced over that axis (``pmean``, or ``psum_scatter`` for ZeRO/FSDP shards: see
-    ``GuardConfig.gradients``) and a reduced loss, as in ordinary data-parallel training.
-    The extra argument ``replicas`` (bool ``[axis size]``) names the replicas that take part in
-    the cross-replica check; the others (out of training: :mod:`sdcguard.degraded`) are ignored.
+    With ``axis_name`` set, call ``update`` inside ``shard_map``/``pmap`` with gradients already
+    reduced over that axis (``pmean``, or ``psum_scatter`` for ZeRO/FSDP shards: see
+    ``GuardConfig.gradients``) and a reduced loss, as in ordinary data-parallel training. The extra
+    argument ``replicas`` (bool ``[axis size]``) names the replicas that take part in the
+    cross-replica check; the others (out of training: :mod:`sdcguard.guard.degraded`) are ignored.
 
     Args:
       inner: any Optax transformation, including ``optax.chain``, ``optax.MultiSteps`` and
@@ -779,7 +783,7 @@ def refuse_corrupted(
             abft_uncorrectable = _scalar_argument(
                 "abft_uncorrectable",
                 abft_uncorrectable,
-                "pass sdcguard.abft.unsafe_checks(counts), the count of checks left unsafe, "
+                "pass sdcguard.unsafe_checks(counts), the count of checks left unsafe, "
                 "not the counters themselves",
             )
         if state.counters.ndim != 1:
@@ -902,13 +906,13 @@ def refuse_corrupted(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-# --- Triage hooks (used by sdcguard.triage) ----------------------------------------------------
+# --- Triage hooks (used by sdcguard.guard.triage) ------------------------------------------
 
 
 def needs_triage(state: GuardState) -> jax.Array:
     """Whether the update of ``state`` was refused for a spike alone: bool scalar.
 
-    Those are the updates that :func:`sdcguard.triage.with_triage` computes again; non-finite
+    Those are the updates that :func:`sdcguard.guard.triage.with_triage` computes again; non-finite
     values, ABFT's unsafe checks and disagreeing replicas are refused outright.
     """
     reason = state.reason
@@ -943,7 +947,7 @@ def find_guard_state(opt_state) -> GuardState:
     if len(found) != 1:
         raise ValueError(
             f"expected exactly one sdcguard GuardState in the optimizer state, found "
-            f"{len(found)}; build the optimizer with sdcguard.optim.refuse_corrupted(...) once"
+            f"{len(found)}; build the optimizer with sdcguard.refuse_corrupted(...) once"
         )
     return found[0]
 

@@ -17,17 +17,17 @@ tile product           site            checked against
 =====================  ==============  ===================================================
 
 A flagged tile is located and corrected in registers with the rules of
-:func:`sdcguard.abft.check_contraction` applied to the tile (one element per row/column from
-the checksums, a whole row/column recomputed, else uncorrectable); a flagged softmax row is
-recomputed from its checked scores. Counters count *matrices* (one ``(batch, head)`` attention
-matrix), like the XLA path: a matrix is detected when any of its tiles is, and uncorrectable
-when any flagged tile could not be repaired. Because location is per tile, two isolated errors
-in different tiles of one matrix are both corrected here, where the whole-matrix XLA path
-reports them uncorrectable; for one error, or a row/column error inside a tile, the counters
+:func:`sdcguard.protection.checksums.check_contraction` applied to the tile (one element per
+row/column from the checksums, a whole row/column recomputed, else uncorrectable); a flagged softmax
+row is recomputed from its checked scores. Counters count *matrices* (one ``(batch, head)``
+attention matrix), like the XLA path: a matrix is detected when any of its tiles is, and
+uncorrectable when any flagged tile could not be repaired. Because location is per tile, two
+isolated errors in different tiles of one matrix are both corrected here, where the whole-matrix XLA
+path reports them uncorrectable; for one error, or a row/column error inside a tile, the counters
 are identical.
 
 Faults of a ``FaultPlan`` are injected inside the kernels, at the element the XLA path
-(:mod:`sdcguard.attention`) would corrupt, in its layouts: ``scores``/``probs``/
+(:mod:`sdcguard.protection.attention`) would corrupt, in its layouts: ``scores``/``probs``/
 ``context.grad_lhs`` ``[B, H, Tq, Tk]``, ``context``/``scores.grad_lhs`` ``[B, Tq, H, D]``,
 ``scores.grad_rhs``/``context.grad_rhs`` ``[B, Tk, H, D]``. A fault in an output that is a sum
 over blocks (``context``, the gradients) goes into the first block's partial product; a fault
@@ -37,6 +37,10 @@ register on its way to the P·V MMA).
 Layout: ``q [B, Tq, H, D]``, ``k, v [B, Tk, H, D]`` (Flax's), ``q`` already scaled as the
 caller wants the ``scores`` site to read (the protected Flax attention divides by sqrt(D)
 before the scores einsum; pass ``sm_scale=1`` then).
+
+Why one module: the forward and backward kernels, their ``custom_vjp`` and the pure-jnp reference
+share one tiling and one set of block sizes; as in JAX's own Pallas ops, each kernel sits beside its
+reference.
 
 Example:
   >>> out, counts = flash_attention(q, k, v, causal=True, interpret=True)
@@ -54,8 +58,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from sdcguard import abft, inject
-from sdcguard.pallas._common import (
+from sdcguard.fault_model import inject
+from sdcguard.protection.checksums import input_rounding, unit_roundoff
+from sdcguard.protection.config import NUM_COUNTERS, ABFTConfig
+from sdcguard.protection.pallas._common import (
     cdiv,
     check_block,
     check_tile,
@@ -70,7 +76,7 @@ from sdcguard.pallas._common import (
 # uniform row like the XLA path, while out-of-range keys use -inf and contribute exactly 0.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
-DEFAULT_CONFIG = abft.ABFTConfig()
+DEFAULT_CONFIG = ABFTConfig()
 
 FORWARD_SITES = ("scores", "probs", "context")
 BACKWARD_SITES = ("scores.grad_lhs", "scores.grad_rhs", "context.grad_lhs", "context.grad_rhs")
@@ -110,7 +116,7 @@ class BlockSizes:
 class _Static:
     causal: bool
     sm_scale: float
-    config: abft.ABFTConfig
+    config: ABFTConfig
     path: str
     precision: object
     block_sizes: BlockSizes
@@ -179,7 +185,7 @@ def _check(st, enabled, c, a, b, *, k, dtype, recompute):
         b,
         contraction=k,
         out_dtype=jnp.float32,
-        input_unit=abft.input_rounding(dtype, st.precision),
+        input_unit=input_rounding(dtype, st.precision),
         safety=st.config.safety,
         near_inf=st.config.near_inf,
         correct=st.config.correct,
@@ -213,7 +219,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, tq, tk, d, tables):
     q32 = q.astype(jnp.float32)
     cfg = st.config
     chk_s, chk_p, chk_c = (cfg.checks(s) for s in FORWARD_SITES)
-    u32 = abft.unit_roundoff(jnp.float32)
+    u32 = unit_roundoff(jnp.float32)
     zero = jnp.zeros((), jnp.int32)
 
     def body(kk, carry):
@@ -658,9 +664,9 @@ def zero_sink() -> jax.Array:
 
     Its gradient is ``[[scores.grad_lhs, scores.grad_rhs], [context.grad_lhs,
     context.grad_rhs]]`` counts: each ``[2, 3]`` half has the layout of
-    :func:`sdcguard.abft.zero_sink` for that GEMM site.
+    :func:`sdcguard.protection.config.zero_sink` for that GEMM site.
     """
-    return jnp.zeros((2, 2, abft.NUM_COUNTERS), jnp.float32)
+    return jnp.zeros((2, 2, NUM_COUNTERS), jnp.float32)
 
 
 def flash_attention(
@@ -671,7 +677,7 @@ def flash_attention(
     mask: jax.Array | None = None,
     causal: bool = False,
     sm_scale: float = 1.0,
-    config: abft.ABFTConfig = DEFAULT_CONFIG,
+    config: ABFTConfig = DEFAULT_CONFIG,
     path: str = "attn",
     plan: inject.FaultPlan | None = None,
     sink: jax.Array | None = None,
@@ -690,7 +696,7 @@ def flash_attention(
       config: sites checked (``scores``, ``probs``, ``context``), forward/backward, correct,
         safety, near_inf.
       path: the attention module path; sites are ``f"{path}:scores"`` etc.
-      plan: faults to inject (default: the plan set by :func:`sdcguard.inject.faults`).
+      plan: faults to inject (default: the plan set by :func:`sdcguard.fault_model.inject.faults`).
       sink: float32 ``[2, 2, NUM_COUNTERS]`` whose gradient receives the backward counters (see
         :func:`zero_sink`).
       precision: MMA precision (None: TF32 for float32 on GPU, accounted for in the bound).
@@ -698,8 +704,8 @@ def flash_attention(
       interpret: interpret mode (default: when not on a GPU).
 
     Returns:
-      ``(out, counts)``: ``out [B, Tq, H, D]`` and int32 ``[3, NUM_COUNTERS]`` counts
-      (rows ``scores, probs, context``; columns those of :class:`sdcguard.abft.Counts`; the
+      ``(out, counts)``: ``out [B, Tq, H, D]`` and int32 ``[3, NUM_COUNTERS]`` counts (rows
+      ``scores, probs, context``; columns those of :class:`sdcguard.protection.config.Counts`; the
       kernels count a non-finite input as uncorrectable, never as ``nonfinite_input``).
     """
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:

@@ -1,24 +1,23 @@
 """Protected dot-product attention: every GEMM checked by checksums, softmax by its invariant.
 
 The functional core is :func:`protected_attention`, which returns the output and the per-site
-counters. :func:`dot_product_attention` has the signature of
-``flax.linen.dot_product_attention`` (plus ``abft=``) and can be passed as Flax's
-``attention_fn``; inside a protected layer its counters go to the layer's ``'sdc'`` collection.
+counters. :func:`sdcguard.protection.linen.dot_product_attention` wraps it with the signature of
+``flax.linen.dot_product_attention`` (plus ``abft=``), to be passed as Flax's ``attention_fn``.
 
 Sites (in execution order): ``query, key, value`` (projections, checked by the Flax layers),
 ``scores`` (QKᵀ), ``probs`` (softmax, rows sum to 1), ``context`` (probs·V), ``out`` (output
 projection). Grouped KV heads (fewer key/value heads than query heads) are supported.
 
-With ``ABFTConfig(implementation='pallas')`` the core (``scores``, ``probs``, ``context``, and
-their backward GEMMs) runs in the fused flash-attention kernel
-(:func:`sdcguard.pallas.flash.flash_attention`): the same sites, counters, backward-counter
-sinks and fault plans, the checks done in its tiles. A call the kernel cannot serve (an
-additive bias, attention dropout, sown attention weights, grouped KV heads, a value head size
-other than the query's, a dtype other than float32/bfloat16/float16) runs unfused instead, each
-GEMM through the checked Pallas GEMM kernel, with one :class:`PallasFallbackWarning` per layer
-naming the feature and what to change. Differences of the kernel: a non-finite input counts as
-``uncorrectable`` (not ``nonfinite_input``; the update guard refuses both), errors are located
-per tile rather than per matrix (see :mod:`sdcguard.pallas.flash`), and forward-mode autodiff
+With ``ABFTConfig(implementation='pallas')`` the core (``scores``, ``probs``, ``context``, and their
+backward GEMMs) runs in the fused flash-attention kernel
+(:func:`sdcguard.protection.pallas.flash.flash_attention`): the same sites, counters,
+backward-counter sinks and fault plans, the checks done in its tiles. A call the kernel cannot serve
+(an additive bias, attention dropout, sown attention weights, grouped KV heads, a value head size
+other than the query's, a dtype other than float32/bfloat16/float16) runs unfused instead, each GEMM
+through the checked Pallas GEMM kernel, with one :class:`PallasFallbackWarning` per layer naming the
+feature and what to change. Differences of the kernel: a non-finite input counts as
+``uncorrectable`` (not ``nonfinite_input``; the update guard refuses both), errors are located per
+tile rather than per matrix (see :mod:`sdcguard.protection.pallas.flash`), and forward-mode autodiff
 (``jax.jvp``) is not supported.
 """
 
@@ -36,8 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen.dtypes import promote_dtype
 
-from sdcguard import inject
-from sdcguard.abft import (
+from sdcguard.fault_model import inject
+from sdcguard.fault_model.sites import ATTENTION_SITES, GEMM_SITES, site_name
+from sdcguard.protection.abft import (
     NUM_COUNTERS,
     ABFTConfig,
     check_softmax_rows,
@@ -45,7 +45,6 @@ from sdcguard.abft import (
     checked_einsum,
     zero_sink,
 )
-from sdcguard.sites import ATTENTION_SITES, GEMM_SITES, site_name
 
 
 class UncheckedAttentionWarning(UserWarning):
@@ -365,7 +364,7 @@ def _flash_mask(mask, batch_shape, heads, tq, tk):
 
 def _flash_block_sizes(tq: int, tk: int):
     """Tiles no larger than the (power-of-two rounded) sequence, between 16 and 64/32."""
-    from sdcguard.pallas import flash
+    from sdcguard.protection.pallas import flash
 
     def fit(n, cap):
         return max(16, min(cap, flash.next_pow2(n)))
@@ -381,13 +380,13 @@ def _flash_block_sizes(tq: int, tk: int):
 
 
 def _flash_core(query, key, value, mask, *, recorder, precision, jax_nn_arithmetic):
-    """The attention core through :func:`sdcguard.pallas.flash.flash_attention`.
+    """The attention core through :func:`sdcguard.protection.pallas.flash.flash_attention`.
 
     The kernel sees what the XLA path's sites see: the ``scores`` check runs on the query as
     the scores einsum would take it (Flax: scaled by 1/sqrt(d) first; ``jax.nn``: scaled after
     QKᵀ, in float32), so fault plans address the same elements and the counters agree.
     """
-    from sdcguard.pallas import flash  # lazy: Pallas is a heavy import
+    from sdcguard.protection.pallas import flash  # lazy: Pallas is a heavy import
 
     batch_shape = query.shape[:-3]
     tq, heads, depth = query.shape[-3:]
@@ -417,88 +416,3 @@ def _flash_core(query, key, value, mask, *, recorder, precision, jax_nn_arithmet
     for i, site in enumerate(flash.FORWARD_SITES):
         recorder.add(site, counts[i])
     return out.reshape(*batch_shape, tq, heads, depth)
-
-
-def _current_linen_module():
-    """The Flax linen module whose method is running, or None outside any."""
-    from flax.linen import module as linen_module
-
-    return linen_module._context.module_stack[-1]
-
-
-def dot_product_attention(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | None = None,
-    mask: jax.Array | None = None,
-    broadcast_dropout: bool = True,
-    dropout_rng: jax.Array | None = None,
-    dropout_rate: float = 0.0,
-    deterministic: bool = False,
-    dtype=None,
-    precision=None,
-    module=None,
-    force_fp32_for_softmax: bool = False,
-    einsum_dot_general=None,
-    qk_attn_weights_einsum=None,
-    attn_weights_value_einsum=None,
-    *,
-    abft: ABFTConfig | None = None,
-) -> jax.Array:
-    """``flax.linen.dot_product_attention`` with checksum-protected GEMMs (``abft=``).
-
-    Usable as the ``attention_fn`` of ``nn.MultiHeadDotProductAttention``. Counters go to the
-    ``'sdc'`` collection of the calling layer (``mutable=['sdc']``); inside a protected layer,
-    the layer's own ``ABFTConfig`` applies. Called outside any Flax module, the output is still
-    checked and corrected but the counters are dropped (use :func:`protected_attention` to
-    receive them).
-
-    Args: as ``flax.linen.dot_product_attention``; ``abft`` defaults to ``ABFTConfig()``.
-
-    Returns:
-      ``[batch..., q_len, heads, v_dim]``.
-
-    Example:
-      >>> attn = nn.MultiHeadDotProductAttention(
-      ...     num_heads=4, attention_fn=functools.partial(dot_product_attention, abft=cfg))
-    """
-    if einsum_dot_general is not None or qk_attn_weights_einsum or attn_weights_value_einsum:
-        raise ValueError(
-            "sdcguard.dot_product_attention computes its own checked einsums; "
-            "einsum_dot_general / qk_attn_weights_einsum / attn_weights_value_einsum are not "
-            "supported with ABFT. Remove them or use flax's dot_product_attention unprotected."
-        )
-    # Inside a protected layer its recorder (and ABFTConfig) rules; as the attention_fn of a
-    # plain Flax layer, or called directly, this call records for itself.
-    recorder = current_recorder()
-    owner = None
-    if recorder is None:
-        owner = _current_linen_module()
-        if owner is not None and owner.scope is None:
-            owner = None  # an unbound module cannot hold counters
-        recorder = SiteRecorder(owner.path if owner else ("attention",), abft or ABFTConfig())
-    sow = None
-    if module is not None:
-        sow = lambda w: module.sow("intermediates", "attention_weights", w)
-    out = protected_attention(
-        query,
-        key,
-        value,
-        bias,
-        mask,
-        recorder=recorder,
-        broadcast_dropout=broadcast_dropout,
-        dropout_rng=dropout_rng,
-        dropout_rate=dropout_rate,
-        deterministic=deterministic,
-        dtype=dtype,
-        precision=precision,
-        force_fp32_for_softmax=force_fp32_for_softmax,
-        sow=sow,
-    )
-    if owner is not None:
-        from sdcguard.linen import record_counts  # linen imports this module
-
-        record_counts(owner, recorder.stacked())
-    return out

@@ -33,13 +33,13 @@ The parameters of the attention branch (:data:`ATTENTION_BRANCH`), whose gradien
 skip-connection drops, are averaged over the micro-batches that computed it, not diluted by
 the ones that did not: an average of fewer micro-batches rather than a gradient scaled down.
 
-Quarantine comes from the update guard's cross-replica check (:mod:`sdcguard.optim`): when it
-refuses a step and names an odd replica, :class:`DegradedTrainer` computes the same step again
-from the same state; if the same replica disagrees again, it is quarantined and the step is
+Quarantine comes from the update guard's cross-replica check (:mod:`sdcguard.guard.update_guard`):
+when it refuses a step and names an odd replica, :class:`DegradedTrainer` computes the same step
+again from the same state; if the same replica disagrees again, it is quarantined and the step is
 computed once more without it. The user can also :meth:`DegradedTrainer.lose` or
-:meth:`DegradedTrainer.quarantine` a replica. Before :meth:`DegradedTrainer.readmit`, replay
-the suspect against a healthy replica with ``sdcguard compare --node-a local:H --node-b
-local:Q`` (exit code 0: identical). Readmission copies a healthy replica's state into it.
+:meth:`DegradedTrainer.quarantine` a replica. Before :meth:`DegradedTrainer.readmit`, replay the
+suspect against a healthy replica with ``sdcguard compare --node-a local:H --node-b local:Q`` (exit
+code 0: identical). Readmission copies a healthy replica's state into it.
 
 Simulation on one machine: 8 CPU host devices (``--xla_force_host_platform_device_count=8``)
 under ``jax.shard_map``. Each replica holds its own copy of the train state (the leading axis
@@ -48,6 +48,10 @@ and a readmitted replica's copy is visibly replaced. The micro-batch of an out r
 its neighbour through an ``all_gather`` of the token ids (a data loader would read it on a
 cluster). An out replica's device still runs the SPMD program (the *out* branch, which
 computes nothing, and the replicated optimizer update, whose result nobody reads).
+
+Why one module: the quarantine mask, the neighbour-takeover step and the trainer that drives them
+are one mechanism over one replica layout; each piece is small, and apart they would only be read
+together.
 
 Example:
   >>> trainer = DegradedTrainer(DegradedConfig(micro_batch=2))
@@ -74,9 +78,9 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sdcguard.guard.update_guard import GuardState, Reason, reason_names, refuse_corrupted
 from sdcguard.models import GPT, GPTConfig, init_params, lm_loss
 from sdcguard.models.gpt import MLP
-from sdcguard.optim import GuardState, Reason, reason_names, refuse_corrupted
 
 __all__ = [
     "ATTENTION_BRANCH",

@@ -42,13 +42,7 @@ import jax
 import numpy as np
 import zfec
 
-from sdcguard.recovery import (
-    SnapshotCorrupted,
-    _Leaf,
-    _paths,
-    _rebuild,
-    host_fingerprint,
-)
+from sdcguard.guard.recovery import SnapshotCorrupted, _Leaf, _paths, _rebuild, host_fingerprint
 
 __all__ = ["CodedSnapshot", "ErasureCode", "HostMemory", "SnapshotLost"]
 
@@ -56,7 +50,7 @@ __all__ = ["CodedSnapshot", "ErasureCode", "HostMemory", "SnapshotLost"]
 class SnapshotLost(SnapshotCorrupted):
     """More hosts lost their snapshot memory than the code can rebuild.
 
-    A :class:`~sdcguard.recovery.SnapshotCorrupted`, so a rollback falls back past it to an
+    A :class:`~sdcguard.guard.recovery.SnapshotCorrupted`, so a rollback falls back past it to an
     older snapshot or a checkpoint, as it does past a corrupt one.
     """
 
@@ -109,7 +103,7 @@ class ErasureCode:
     def snapshot(self, step: int, meta: dict, leaves, recipes, treedef) -> CodedSnapshot:
         """Copies each host's shards to host memory and adds the parity (blocking).
 
-        Called by :class:`sdcguard.recovery.SnapshotRing` in its background thread with the
+        Called by :class:`sdcguard.guard.recovery.SnapshotRing` in its background thread with the
         storable leaves of a state (``jax.Array`` or numpy) and how to rebuild them.
 
         Raises:
@@ -166,7 +160,7 @@ class ErasureCode:
 
 
 def _bytes_fingerprint(data: np.ndarray) -> np.ndarray:
-    """uint32 ``[4]``: :func:`~sdcguard.recovery.host_fingerprint` of a host's bytes, read as
+    """uint32 ``[4]``: :func:`~sdcguard.guard.recovery.host_fingerprint` of a host's bytes, read as
     32-bit words, and of the last ``len % 4`` bytes. One pass over a host's memory."""
     words = data.size // 4 * 4
     return np.concatenate(
@@ -211,9 +205,9 @@ def _owned_pieces(x, position: dict[int, int], sizes: list[int]):
 class CodedSnapshot:
     """An erasure-coded snapshot: each host's shards and parity, in that host's memory.
 
-    Duck-types :class:`sdcguard.recovery.Snapshot` (``step``, ``meta``, ``paths``,
-    :meth:`verify`, :meth:`restore`), so :class:`~sdcguard.recovery.SnapshotRing` and
-    :func:`~sdcguard.recovery.train_with_recovery` use it unchanged.
+    Duck-types :class:`sdcguard.guard.recovery.Snapshot` (``step``, ``meta``, ``paths``,
+    :meth:`verify`, :meth:`restore`), so :class:`~sdcguard.guard.recovery.SnapshotRing` and
+    :func:`~sdcguard.guard.recovery.train_with_recovery` use it unchanged.
 
     Attributes:
       step, meta: as for a plain snapshot.

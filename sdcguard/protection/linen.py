@@ -9,7 +9,8 @@ are asked for.
 
 Collections:
   ``'sdc'``: ``counts`` int32 ``[7, NUM_COUNTERS]`` per layer (rows: ATTENTION_SITES; columns:
-    :class:`sdcguard.abft.Counts`), accumulated over calls; apply with ``mutable=['sdc']``.
+    :class:`sdcguard.protection.abft.Counts`), accumulated over calls; apply with
+    ``mutable=['sdc']``.
   ``'sdc_grad'``: ``sinks`` float32 ``[6, 2, NUM_COUNTERS]`` zeros per layer, made by
     :func:`init_sinks`. Differentiate the loss with respect to them (pass them in like params)
     and their gradient holds the backward counters (rows: GEMM_SITES; then grad_lhs /
@@ -21,9 +22,9 @@ then stacked per iteration and :func:`site_counts` sums them. A protected layer 
 counters that the transform would drop raises instead of losing them.
 
 Example:
-  >>> with sdcguard.linen.protect(ABFTConfig()):
+  >>> with sdcguard.protection.linen.protect(ABFTConfig()):
   ...     logits, state = model.apply({"params": params}, tokens, mutable=["sdc"])
-  >>> sdcguard.linen.site_counts(state["sdc"])["decoder/block_0/attn:scores"]
+  >>> sdcguard.protection.linen.site_counts(state["sdc"])["decoder/block_0/attn:scores"]
 """
 
 from __future__ import annotations
@@ -41,16 +42,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import module as linen_module
 
-from sdcguard.abft import NUM_COUNTERS, ABFTConfig
-from sdcguard.attention import (
+from sdcguard.fault_model.sites import ATTENTION_SITES, GEMM_SITES, GRAD_SUFFIXES, site_name
+from sdcguard.protection.abft import NUM_COUNTERS, ABFTConfig
+from sdcguard.protection.attention import (
     SiteRecorder,
     UncheckedAttentionWarning,
-    _current_linen_module,
     current_recorder,
-    dot_product_attention,
+    protected_attention,
     recording,
 )
-from sdcguard.sites import ATTENTION_SITES, GEMM_SITES, GRAD_SUFFIXES, site_name
 
 COUNTS = "counts"
 SINKS = "sinks"
@@ -73,7 +73,7 @@ class ProjectionDotGeneral:
         if recorder is None or dense is None:
             raise RuntimeError(
                 "ProjectionDotGeneral is the projection hook of sdcguard's protected attention "
-                "and only works inside it; use sdcguard.abft.checked_dot_general directly."
+                "and only works inside it; use sdcguard.checked_dot_general directly."
             )
         return recorder.dot_general(dense.name, lhs, rhs, dimension_numbers, precision, **kwargs)
 
@@ -391,3 +391,84 @@ def total_counts(sdc: Mapping | None = None, sink_grads: Mapping | None = None) 
         summed = jnp.sum(jnp.reshape(grads, (-1, NUM_COUNTERS)), axis=0)
         total = total + jnp.rint(summed).astype(jnp.int32)
     return total
+
+
+def _current_linen_module():
+    """The Flax linen module whose method is running, or None outside any."""
+    return linen_module._context.module_stack[-1]
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype=None,
+    precision=None,
+    module=None,
+    force_fp32_for_softmax: bool = False,
+    einsum_dot_general=None,
+    qk_attn_weights_einsum=None,
+    attn_weights_value_einsum=None,
+    *,
+    abft: ABFTConfig | None = None,
+) -> jax.Array:
+    """``flax.linen.dot_product_attention`` with checksum-protected GEMMs (``abft=``).
+
+    Usable as the ``attention_fn`` of ``nn.MultiHeadDotProductAttention``. Counters go to the
+    ``'sdc'`` collection of the calling layer (``mutable=['sdc']``); inside a protected layer,
+    the layer's own ``ABFTConfig`` applies. Called outside any Flax module, the output is still
+    checked and corrected but the counters are dropped (use :func:`protected_attention` to
+    receive them).
+
+    Args: as ``flax.linen.dot_product_attention``; ``abft`` defaults to ``ABFTConfig()``.
+
+    Returns:
+      ``[batch..., q_len, heads, v_dim]``.
+
+    Example:
+      >>> attn = nn.MultiHeadDotProductAttention(
+      ...     num_heads=4, attention_fn=functools.partial(dot_product_attention, abft=cfg))
+    """
+    if einsum_dot_general is not None or qk_attn_weights_einsum or attn_weights_value_einsum:
+        raise ValueError(
+            "sdcguard.dot_product_attention computes its own checked einsums; "
+            "einsum_dot_general / qk_attn_weights_einsum / attn_weights_value_einsum are not "
+            "supported with ABFT. Remove them or use flax's dot_product_attention unprotected."
+        )
+    # Inside a protected layer its recorder (and ABFTConfig) rules; as the attention_fn of a
+    # plain Flax layer, or called directly, this call records for itself.
+    recorder = current_recorder()
+    owner = None
+    if recorder is None:
+        owner = _current_linen_module()
+        if owner is not None and owner.scope is None:
+            owner = None  # an unbound module cannot hold counters
+        recorder = SiteRecorder(owner.path if owner else ("attention",), abft or ABFTConfig())
+    sow = None
+    if module is not None:
+        sow = lambda w: module.sow("intermediates", "attention_weights", w)
+    out = protected_attention(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        recorder=recorder,
+        broadcast_dropout=broadcast_dropout,
+        dropout_rng=dropout_rng,
+        dropout_rate=dropout_rate,
+        deterministic=deterministic,
+        dtype=dtype,
+        precision=precision,
+        force_fp32_for_softmax=force_fp32_for_softmax,
+        sow=sow,
+    )
+    if owner is not None:
+        record_counts(owner, recorder.stacked())
+    return out

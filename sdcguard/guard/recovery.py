@@ -2,7 +2,7 @@
 
 Three tiers, cheapest first:
 
-1. The guard (:mod:`sdcguard.optim`) refuses a corrupted update; nothing needs restoring.
+1. The guard (:mod:`~sdcguard.guard.update_guard`) refuses a corrupted update: nothing to restore.
 2. :class:`SnapshotRing` keeps the last few *good* train states in host memory, copied
    asynchronously while training goes on. Restoring one is a host-to-device copy.
 3. :class:`CheckpointTier` keeps train states on disk with Orbax (async save), for crashes and
@@ -16,8 +16,13 @@ further back, and finally gives up with an error rather than training on a state
 trust. Checkpoints are standard Orbax checkpoints of the user's own pytree.
 
 Every stored state carries an exact bit fingerprint per leaf (see
-:func:`sdcguard.optim.tree_fingerprint`); a restore that does not reproduce it is refused with
-an error that names the leaf, so a tampered or truncated snapshot/checkpoint is never used.
+:func:`sdcguard.guard.update_guard.tree_fingerprint`); a restore that does not reproduce it is
+refused with an error that names the leaf, so a tampered or truncated snapshot/checkpoint is never
+used.
+
+Why one module: snapshots, checkpoints and the loop that falls back from one to the other share the
+integrity format (per-leaf hashes, the tree fingerprint) and the errors that name a leaf; the loop's
+fallback order is only readable beside both tiers.
 
 Example:
   >>> ring = SnapshotRing(keep=3)
@@ -42,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from sdcguard.optim import (
+from sdcguard.guard.update_guard import (
     _COUNTERS,
     Triage,
     find_guard_state,
@@ -87,10 +92,10 @@ class CheckpointCorrupted(RecoveryError):
 class TrainState(NamedTuple):
     """The whole state of a training run, as :func:`train_with_recovery` expects it.
 
-    step: int32 scalar, optimizer steps taken (refused ones included).
-    params: the model parameters.
-    opt_state: the optimizer state; contains exactly one :class:`sdcguard.optim.GuardState`.
-    rng: a PRNG key (typed ``jax.random.key`` or raw uint32 key data).
+    step: int32 scalar, optimizer steps taken (refused ones included). params: the model parameters.
+    opt_state: the optimizer state; contains exactly one
+    :class:`sdcguard.guard.update_guard.GuardState`. rng: a PRNG key (typed ``jax.random.key`` or
+    raw uint32 key data).
     """
 
     step: jax.Array
@@ -115,7 +120,8 @@ def _weights(n: int) -> np.ndarray:
 
 
 def host_fingerprint(x: np.ndarray) -> np.ndarray:
-    """The numpy twin of :func:`sdcguard.optim.tree_fingerprint` for one array: uint32 ``[2]``."""
+    """The numpy twin of :func:`~sdcguard.guard.update_guard.tree_fingerprint` for one array:
+    uint32 ``[2]``."""
     x = np.ascontiguousarray(x)
     if x.dtype == np.bool_:
         words = x.reshape(-1).astype(np.uint32)
@@ -261,9 +267,9 @@ class SnapshotRing:
       keep: how many complete snapshots to keep (oldest dropped first).
       max_in_flight: snapshots copying at once; :meth:`take` waits beyond this, so a slow host
         cannot let copies pile up in memory.
-      erasure: an :class:`sdcguard.erasure.ErasureCode` for sharded state: each host (device)
+      erasure: an :class:`sdcguard.guard.erasure.ErasureCode` for sharded state: each host (device)
         keeps its own shards plus parity, and the snapshot is rebuilt bit-exact after the loss
-        of hosts' memory (:class:`sdcguard.erasure.CodedSnapshot`). None: whole copies here.
+        of hosts' memory (:class:`sdcguard.guard.erasure.CodedSnapshot`). None: whole copies here.
 
     Example:
       >>> ring = SnapshotRing(keep=2)
@@ -298,7 +304,7 @@ class SnapshotRing:
 
     def _finish(self, step, meta, leaves, recipes, treedef) -> None:
         try:
-            if self.erasure is not None:  # each host's shards and parity (sdcguard.erasure)
+            if self.erasure is not None:  # each host's shards and parity (sdcguard.guard.erasure)
                 snapshot = self.erasure.snapshot(step, meta, leaves, recipes, treedef)
             else:
                 host = []
@@ -402,7 +408,8 @@ def _described(tree) -> list[tuple[str, str, tuple]]:
 
 
 def _combined(fingerprints: np.ndarray, sizes: list[int]) -> list[int]:
-    """The fingerprint of the whole tree (as :func:`sdcguard.optim.tree_fingerprint` of all
+    """The fingerprint of the whole tree (as
+    :func:`~sdcguard.guard.update_guard.tree_fingerprint` of all
     leaves together) from the leaves' own: a leaf's weighted sum shifts by twice its offset."""
     total = weighted = 0
     offset = 0
@@ -414,7 +421,8 @@ def _combined(fingerprints: np.ndarray, sizes: list[int]) -> list[int]:
 
 
 def _words_of(x) -> int:
-    """How many uint32 words :func:`sdcguard.optim.tree_fingerprint` reads from leaf ``x``."""
+    """How many uint32 words :func:`~sdcguard.guard.update_guard.tree_fingerprint` reads from
+    leaf ``x``."""
     if _is_key(x):
         x = jax.random.key_data(x)
     x = x if hasattr(x, "dtype") else np.asarray(x)
@@ -693,10 +701,10 @@ class Rollback(NamedTuple):
 
 
 class TriageEvent(NamedTuple):
-    """A spike that triage recomputed (see :mod:`sdcguard.triage`).
+    """A spike that triage recomputed (see :mod:`sdcguard.guard.triage`).
 
     step, data_index: where; reasons: the spike checks that fired on the first pass; outcome:
-    the :class:`sdcguard.optim.Triage` name (``real_accepted``, ``real_skipped``,
+    the :class:`sdcguard.guard.update_guard.Triage` name (``real_accepted``, ``real_skipped``,
     ``sdc_corrected``, ``refused``).
     """
 
@@ -784,7 +792,8 @@ def train_with_recovery(
 
     Args:
       step_fn: ``step_fn(state, batch) -> state``, usually jitted; ``state.opt_state`` holds
-        the guard (:func:`sdcguard.optim.refuse_corrupted`) and ``state.step`` counts steps.
+        the guard (:func:`sdcguard.guard.update_guard.refuse_corrupted`) and ``state.step`` counts
+        steps.
       state: the initial train state (e.g. :class:`TrainState`).
       batch_at: ``batch_at(i)`` is data batch ``i``; called again for replayed batches.
       num_batches: the end of the data.

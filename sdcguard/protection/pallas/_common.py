@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from sdcguard import abft, inject
-from sdcguard.sites import NEAR_INF, FaultKind, site_id
+from sdcguard.fault_model import inject
+from sdcguard.fault_model.sites import NEAR_INF, FaultKind, site_id
+from sdcguard.protection.checksums import roundoff_gamma
+from sdcguard.protection.config import count_outcomes
 
 _INTERPRET: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "sdcguard_pallas_interpret", default=None
@@ -102,7 +104,8 @@ class FaultTable(NamedTuple):
 
 
 def site_fault_index(plan: inject.FaultPlan, site: str, size: int):
-    """``(hits bool[F], flat_index int32[F])`` resolved as :func:`sdcguard.inject.apply` does.
+    """``(hits bool[F], flat_index int32[F])`` resolved as
+    :func:`sdcguard.fault_model.inject.apply` does.
 
     A fault with ``index >= 0`` hits ``index % size``; one with ``index == -1`` draws its index
     from a hash of its seed and the site id, so the kernel hits the element the XLA path hits.
@@ -154,7 +157,8 @@ def fault_table(
 
 
 def corrupt_tile(old: jax.Array, kind, bit, value) -> jax.Array:
-    """:func:`sdcguard.inject.corrupt` applied to every element of a tile (kind/bit/value scalars).
+    """:func:`sdcguard.fault_model.inject.corrupt` applied to every element of a tile
+    (kind/bit/value scalars).
 
     Written with chained ``where`` instead of ``jnp.select`` so that it lowers through Triton;
     the result is bit-identical to ``inject.corrupt``.
@@ -243,7 +247,7 @@ def check_tile(
     Detection uses the row checksum ``c·e = a·(b·e)`` only, so the clean path costs two
     vector-matrix products and one row sum; the column checksum, location and correction run
     under ``lax.cond`` only when a row is flagged. Location and correction follow
-    :func:`sdcguard.abft.check_contraction` exactly, applied to the tile.
+    :func:`sdcguard.protection.checksums.check_contraction` exactly, applied to the tile.
 
     Args:
       c: float32 ``[m, n]``: the produced tile (rounded to ``out_dtype``, faults injected).
@@ -261,10 +265,10 @@ def check_tile(
       ``(c_checked, detected, uncorrected)``: the tile and two int32 scalars (0 or 1).
     """
     m, n = c.shape
-    gamma_row = abft.roundoff_gamma(
+    gamma_row = roundoff_gamma(
         out_dtype=out_dtype, contraction=contraction, line=n, input_unit=input_unit, safety=safety
     )
-    gamma_col = abft.roundoff_gamma(
+    gamma_col = roundoff_gamma(
         out_dtype=out_dtype, contraction=contraction, line=m, input_unit=input_unit, safety=safety
     )
     b_rowsum = jnp.sum(b, axis=1)  # [k]
@@ -342,4 +346,4 @@ def matrix_counts(flags: jax.Array, axis) -> jax.Array:
     per_matrix = jnp.max(flags, axis=axis)
     det = per_matrix[..., 0].reshape(-1)
     unc = per_matrix[..., 1].reshape(-1)
-    return abft._counts(jnp.sum(det), jnp.sum(det * (1 - unc)))
+    return count_outcomes(jnp.sum(det), jnp.sum(det * (1 - unc)))

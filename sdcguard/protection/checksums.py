@@ -1,0 +1,565 @@
+"""Checksum math for any contraction: encode, verify, locate, correct; and the tolerance model.
+
+For ``C = A·B`` (any batch dims; any einsum that is a pure contraction), the column checksum
+``eᵀC = (eᵀA)B`` and the row checksum ``Ce = A(Be)`` are computed from the inputs (an O(1/n)
+extra cost), then compared with the sums of the ``C`` actually produced. A mismatch larger than
+the round-off bound flags a row and/or a column; their intersection, or a non-finite or near-INF
+element in a flagged line, locates the error. An isolated element is corrected from its
+checksum (the checksum minus the sum of the rest of its column or row); a single bad row or
+column is recomputed from ``A`` and ``B``; anything beyond that is counted *uncorrectable*.
+
+The clean path is the GEMM, the row checksum product ``A(Be)``, row norms of ``A`` and column
+norms of ``B`` (for the bound) and one read of ``C`` (its row sums): any error in C changes its
+row's sum. Column checksums, location and correction run (:func:`repair_if`) only when a row is
+flagged, so a clean step has no host sync, no second read of C and no copy of it.
+
+Tolerance model (first-order worst-case round-off; Higham, *Accuracy and Stability*, §3.1):
+every quantity compared is a sum of products ``a·b``, so for a column
+
+    |eᵀC_computed − (eᵀA)B| ≤ γ · ((eᵀ|A|)|B|) ≤ γ · Σ_m ‖a_m‖₂ ‖b_n‖₂,
+    γ = 2·u_in + u_out + (2·(K + L) + 2)·u_acc
+
+plus ``L`` times the output dtype's smallest subnormal for gradual underflow
+
+where ``K`` is the contraction length, ``L`` the length of the summed line (``M`` for a column
+checksum, ``N`` for a row), ``u_acc`` the unit round-off of the float32 accumulator,
+``u_out`` that of the output dtype (each element of C is rounded once on the way out) and
+``u_in`` that of any rounding of the inputs by the backend (TF32 on GPU, bf16 passes on TPU
+for float32 matmuls at default precision; zero on CPU). Because the bound holds for any order of
+summation, clean runs never alarm; the measured ratio of threshold to actual deviation is
+reported by ``scripts/bench_tolerance.py``.
+
+Why one module: the tolerance model and the checks that apply it are one bound; apart, a change to
+one could silently break the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sdcguard.in_place import apply_if
+from sdcguard.protection.config import ABFTConfig, count_outcomes, zero_counts
+
+# --- Tolerance model ---------------------------------------------------------------------------
+
+
+def unit_roundoff(dtype) -> float:
+    """Unit round-off ``u = 2^-p`` of a floating dtype (fp32: 2^-24, bf16: 2^-8, fp16: 2^-11)."""
+    return float(jnp.finfo(dtype).eps) / 2
+
+
+def input_rounding(dtype, precision=None, backend: str | None = None) -> float:
+    """Unit round-off of the backend's rounding of matmul *inputs* (0 when exact)."""
+    backend = backend or jax.default_backend()
+    highest = precision in (jax.lax.Precision.HIGHEST, "highest", "float32")
+    if jnp.dtype(dtype) != jnp.float32 or highest or backend == "cpu":
+        return 0.0
+    return 2.0**-11 if backend == "gpu" else 2.0**-8  # TF32 on GPU, one bf16 pass on TPU
+
+
+def roundoff_gamma(
+    *, out_dtype, contraction: int, line: int, input_unit: float = 0.0, safety: float = 1.0
+) -> float:
+    """γ of the tolerance model: |checksum deviation| ≤ γ · (|A||B| checksum).
+
+    Args:
+      out_dtype: dtype C is rounded to.
+      contraction: K, the contraction length.
+      line: the length of the summed line (M for column checksums, N for row checksums).
+      input_unit: unit round-off of input rounding by the backend (see input_rounding).
+      safety: multiplier (>= 1).
+    """
+    u_acc = unit_roundoff(jnp.float32)
+    u_out = unit_roundoff(out_dtype)
+    return safety * (2 * input_unit + u_out + (2 * (contraction + line) + 2) * u_acc)
+
+
+# --- Einsum bookkeeping ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Contraction:
+    """A pure-contraction einsum ``lhs,rhs->out`` with its letters sorted by role."""
+
+    lhs: str
+    rhs: str
+    out: str
+
+    @classmethod
+    def parse(cls, spec: str, lhs_ndim: int, rhs_ndim: int) -> Contraction:
+        spec = spec.replace(" ", "")
+        inputs, arrow, out = spec.partition("->")
+        if not arrow:
+            raise ValueError(f"einsum spec {spec!r} needs an explicit output ('...->...')")
+        lhs, comma, rhs = inputs.partition(",")
+        if not comma or "," in rhs:
+            raise ValueError(f"checked einsum needs exactly two operands, got {spec!r}")
+        used = set(spec) - set(".,->")
+        free = [c for c in string.ascii_letters if c not in used]
+
+        n_ell = max(
+            lhs_ndim - (len(lhs) - 3) if "..." in lhs else 0,
+            rhs_ndim - (len(rhs) - 3) if "..." in rhs else 0,
+        )
+        ellipsis = "".join(free[:n_ell])
+
+        def expand(term: str, ndim: int) -> str:
+            # Ellipsis axes align from the right, as in numpy broadcasting: an operand with
+            # fewer of them takes the last ones.
+            if "..." not in term:
+                return term
+            n = ndim - (len(term) - 3)
+            return term.replace("...", ellipsis[n_ell - n :])
+
+        lhs, rhs = expand(lhs, lhs_ndim), expand(rhs, rhs_ndim)
+        out = out.replace("...", ellipsis)
+        c = cls(lhs, rhs, out)
+        c._validate(spec)
+        return c
+
+    def _validate(self, spec: str):
+        for term in (self.lhs, self.rhs, self.out):
+            if len(set(term)) != len(term):
+                raise ValueError(f"checked einsum {spec!r}: repeated index within one operand")
+        lone = (set(self.lhs) ^ set(self.rhs)) - set(self.out)
+        extra = set(self.out) - set(self.lhs) - set(self.rhs)
+        if lone or extra:
+            raise ValueError(
+                f"einsum {spec!r} is not a pure contraction (indices {sorted(lone | extra)} "
+                "appear in one operand only); ABFT checks contractions"
+            )
+
+    @property
+    def batch(self) -> str:
+        return "".join(c for c in self.out if c in self.lhs and c in self.rhs)
+
+    @property
+    def lhs_free(self) -> str:
+        return "".join(c for c in self.out if c in self.lhs and c not in self.rhs)
+
+    @property
+    def rhs_free(self) -> str:
+        return "".join(c for c in self.out if c in self.rhs and c not in self.lhs)
+
+    @property
+    def contracted(self) -> str:
+        return "".join(c for c in self.lhs if c in self.rhs and c not in self.out)
+
+    @property
+    def spec(self) -> str:
+        return f"{self.lhs},{self.rhs}->{self.out}"
+
+    def without(self, letters: str) -> str:
+        return "".join(c for c in self.out if c not in letters)
+
+    def grad_lhs(self) -> Contraction:
+        """The backward GEMM for the left operand: ``dA = einsum(out,rhs->lhs)``."""
+        return Contraction(self.out, self.rhs, self.lhs)
+
+    def grad_rhs(self) -> Contraction:
+        """The backward GEMM for the right operand: ``dB = einsum(lhs,out->rhs)``."""
+        return Contraction(self.lhs, self.out, self.rhs)
+
+
+def dot_general_to_einsum(lhs_ndim: int, rhs_ndim: int, dimension_numbers) -> str:
+    """The einsum spec of a ``lax.dot_general`` (output: batch, lhs free, rhs free)."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    letters = iter(string.ascii_letters)
+    lhs = [""] * lhs_ndim
+    rhs = [""] * rhs_ndim
+    for i, j in zip(lb, rb, strict=True):
+        lhs[i] = rhs[j] = next(letters)
+    for i, j in zip(lc, rc, strict=True):
+        lhs[i] = rhs[j] = next(letters)
+    for term in (lhs, rhs):
+        for i, c in enumerate(term):
+            if not c:
+                term[i] = next(letters)
+    batch = [lhs[i] for i in lb]
+    lfree = [c for i, c in enumerate(lhs) if i not in lb and i not in lc]
+    rfree = [c for i, c in enumerate(rhs) if i not in rb and i not in rc]
+    return f"{''.join(lhs)},{''.join(rhs)}->{''.join(batch + lfree + rfree)}"
+
+
+def axes_of(term: str, letters: str) -> tuple[int, ...]:
+    return tuple(term.index(c) for c in letters)
+
+
+# --- Check and correct one contraction ---------------------------------------------------------
+
+
+class LineChecksums(NamedTuple):
+    """One side's checksums of a contraction, float32, one entry per row (or column).
+
+    Rows have the letters of the output without the rhs-free ones, columns without the
+    lhs-free ones. Everything is in *scaled* units: the line sums of C and the reference were
+    multiplied by ``scale`` (a power of two per matrix of the batch, so exact), which keeps the
+    check inside float32's range whatever the operands' magnitudes. A line is flagged when
+    ``not deviation <= threshold`` (NaN is flagged).
+    """
+
+    ref: jax.Array  # encoded from the inputs, scaled: A(Be)·scale for rows, (eᵀA)B·scale for cols
+    deviation: jax.Array  # |scaled sum of the line of C - ref|
+    threshold: jax.Array  # the round-off bound of the deviation, scaled
+    scale: jax.Array  # the power of two per matrix (letters: the contraction's batch letters)
+
+
+def products_as_dot(x_letters: str, ct: Contraction) -> bool:
+    """Whether the checksum products of ``x`` (letters ``x_letters``) run as a ``dot``.
+
+    XLA:CPU runs a matrix-vector dot fast only as a plain batched GEMV: x's batch axes leading
+    and one contracted axis (then it beats the elementwise product and reduction 1.5-2x). Over
+    two contracted axes (a projection's heads and head_dim, or its batch and sequence) the dot
+    is 1.6-3x slower than the product and reduction, which XLA fuses into one pass over x
+    (``scripts/bench_checksum_products.py``, the bench GPT's 12 attention GEMMs).
+    """
+    batch_leads = x_letters.startswith("".join(c for c in x_letters if c in ct.batch))
+    return len(ct.contracted) == 1 and batch_leads
+
+
+# Exponents of the power-of-two scales stay where 2**e and 2**-e are normal float32 numbers, so
+# a scale is never flushed to zero.
+_MAX_SCALE_EXPONENT = 126
+
+
+def _power_of_two_below(m: jax.Array) -> jax.Array:
+    """``2**-e`` with ``m = f·2**e``, ``f ∈ [0.5, 1)``: ``m·2**-e ∈ [0.5, 1)``; 1 where ``m`` is 0
+    or not finite. Multiplying by it is exact (no mantissa bits change)."""
+    _, e = jnp.frexp(m)
+    e = jnp.clip(e, -_MAX_SCALE_EXPONENT, _MAX_SCALE_EXPONENT)
+    usable = jnp.isfinite(m) & (m > 0)
+    return jnp.where(usable, jnp.ldexp(jnp.ones_like(m), -e), 1.0)
+
+
+def _contract_with_line_sums(
+    x,
+    x_letters,
+    other,
+    other_letters,
+    ct,
+    summed_letters,
+    *,
+    x_nonnegative: bool = False,
+    as_dot: bool | None = None,
+):
+    """One side's scaled checksum ``ref = Σ_contracted x · (Σ_summed other)·s`` and magnitude.
+
+    For rows, ``x`` is A and ``other`` is B: ``ref = A(Be)·s``, and the magnitude bounds
+    ``|A|(|B|e)·s``, the quantity every rounding error of the line is proportional to. ``s`` is
+    a power of two per matrix that brings ``|B|e`` to ``[0.5, 1)`` at its largest, so nothing
+    below overflows or underflows for any finite operands whose product is finite (operands of
+    1e-30 or 1e19 in float32 included).
+
+    When ``x``'s batch axes lead its layout and one axis is contracted, the products are
+    batched matrix-vector dots; otherwise they are elementwise products and reductions in
+    ``x``'s own layout, because XLA on the CPU lowers such a dot with a transpose of ``x`` or,
+    for some layouts, a naive loop (measured up to 17x slower than the GEMM it checks).
+
+    The magnitude is exact (``x · |B|e``) when ``x`` is known to be non-negative (softmax
+    probabilities); otherwise it is ``max|x| · Σ|B|e`` over the contracted axes, a bound that
+    multiplies values of the operands and never squares them: a reduction of squares (the
+    Cauchy-Schwarz bound) overflows above ~1e19 and underflows below ~1e-19 in float32, and a
+    max costs the same pass over ``x`` as a sum of squares on XLA:CPU.
+
+    ``as_dot`` forces one formulation of the products (None: :func:`products_as_dot`;
+    ``scripts/bench_checksum_products.py`` times both).
+
+    Returns:
+      ``(ref, magnitude, scale)``, float32; ``ref`` and ``magnitude`` have the letters
+      ``ct.without(summed_letters)``, ``scale`` the letters ``ct.batch``.
+    """
+    f32 = jnp.float32
+    x, other = x.astype(f32), other.astype(f32)
+    summed_axes = axes_of(other_letters, summed_letters)
+    v_letters = "".join(c for c in other_letters if c not in summed_letters)
+    w = jnp.sum(jnp.abs(other), axis=summed_axes)
+    # One power of two per matrix of the batch, from the largest |B|e of that matrix.
+    batch_in_v = "".join(c for c in v_letters if c in ct.batch)
+    w_max = jnp.max(w, axis=axes_of(v_letters, ct.contracted))
+    scale_v = _power_of_two_below(w_max)  # letters batch_in_v
+    on_v = scale_v.reshape([w.shape[i] if c in ct.batch else 1 for i, c in enumerate(v_letters)])
+    v = jnp.sum(other, axis=summed_axes) * on_v
+    w = w * on_v
+    contracted_axes = axes_of(x_letters, ct.contracted)
+    kept = "".join(c for c in x_letters if c not in ct.contracted)
+
+    def along_x(t):
+        # t (letters v_letters) laid out along x's axes, unit axes where x has letters v lacks.
+        order = [c for c in x_letters if c in v_letters]
+        shape = [x.shape[i] if c in v_letters else 1 for i, c in enumerate(x_letters)]
+        return jnp.transpose(t, [v_letters.index(c) for c in order]).reshape(shape)
+
+    if as_dot is None:
+        as_dot = products_as_dot(x_letters, ct)
+
+    def line_products(t):
+        if as_dot:
+            spec = f"{x_letters},{v_letters}->{kept}"
+            return jnp.einsum(spec, x, t, precision=jax.lax.Precision.HIGHEST)
+        return jnp.sum(x * along_x(t), axis=contracted_axes)
+
+    ref = line_products(v)
+    if x_nonnegative:
+        # On clean data x >= 0 and this is |x|·w exactly; a corrupted negative entry can only
+        # lower it, which tightens the threshold (more alarms, never fewer).
+        magnitude = line_products(w)
+    else:
+        w_total = jnp.sum(w, axis=axes_of(v_letters, ct.contracted))  # letters batch_in_v
+        x_max = jnp.max(jnp.abs(x), axis=contracted_axes)  # letters kept
+        magnitude = x_max * _along(w_total, batch_in_v, kept, x_max.shape)
+    term = ct.without(summed_letters)
+    perm = [kept.index(c) for c in term]
+    scale = jnp.transpose(scale_v, [batch_in_v.index(c) for c in ct.batch])
+    return jnp.transpose(ref, perm), jnp.transpose(magnitude, perm), scale
+
+
+def _along(t: jax.Array, t_letters: str, letters: str, shape) -> jax.Array:
+    """``t`` (letters ``t_letters``, a subsequence of ``letters`` up to order) broadcast to an
+    array of ``shape`` with ``letters``: unit axes where ``t`` has no letter."""
+    order = [c for c in letters if c in t_letters]
+    t = jnp.transpose(t, [t_letters.index(c) for c in order])
+    return t.reshape([shape[i] if c in t_letters else 1 for i, c in enumerate(letters)])
+
+
+def _underflow_slack(out_dtype, contraction: int) -> float:
+    """What flushing to zero can move one element of C by, whatever its magnitude.
+
+    GEMM libraries flush subnormal products and partial sums to zero (XLA:CPU does:
+    ``4·(1e-20·1e-19)`` comes out 0), each moving the sum by less than float32's smallest normal;
+    a GEMM has ``2K`` such operations per element. Rounding C to a narrower dtype can flush it by
+    less than that dtype's smallest normal.
+    """
+    tiny32 = float(jnp.finfo(jnp.float32).tiny)
+    return (2 * contraction + 2) * tiny32 + float(jnp.finfo(out_dtype).tiny)
+
+
+def line_checksums(
+    c: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    contraction: Contraction,
+    side: str,
+    *,
+    safety: float = 1.0,
+    precision=None,
+    lhs_nonnegative: bool = False,
+) -> LineChecksums:
+    """Encodes the ``side`` (``'row'`` or ``'col'``) checksums of ``c = einsum(a, b)``.
+
+    Rows: ``ref = A(Be)`` against the row sums of C; columns: ``ref = (eᵀA)B`` against the
+    column sums. The threshold is γ times a bound on the line's ``|A||B|e`` magnitude, the
+    quantity the round-off of every term is proportional to, plus the underflow slack. All in
+    scaled units (see :class:`LineChecksums`). ``lhs_nonnegative`` promises ``a >= 0``
+    elementwise (see :func:`checked_einsum`).
+    """
+    ct = contraction
+    if side == "row":
+        summed_letters = ct.rhs_free
+        ref, magnitude, scale = _contract_with_line_sums(
+            a, ct.lhs, b, ct.rhs, ct, summed_letters, x_nonnegative=lhs_nonnegative
+        )
+    else:
+        summed_letters = ct.lhs_free
+        ref, magnitude, scale = _contract_with_line_sums(b, ct.rhs, a, ct.lhs, ct, summed_letters)
+    dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
+    k = int(np.prod([dims[x] for x in ct.contracted], dtype=np.int64))
+    line = int(np.prod([dims[x] for x in summed_letters], dtype=np.int64))
+    scale_on_c = _along(scale, ct.batch, ct.out, c.shape)
+    c32 = c.astype(jnp.float32) * scale_on_c  # exact: a power of two
+    summed_axes = axes_of(ct.out, summed_letters)
+    summed = jnp.sum(c32, axis=summed_axes)
+    term = ct.without(summed_letters)
+    scale_on_line = _along(scale, ct.batch, term, summed.shape)
+    u_out = unit_roundoff(c.dtype)
+    low_precision_out = u_out > unit_roundoff(jnp.float32)
+    gamma = roundoff_gamma(
+        # A low-precision C's own rounding is bounded below, by the line it actually has.
+        out_dtype=jnp.float32 if low_precision_out else c.dtype,
+        contraction=k,
+        line=line,
+        input_unit=input_rounding(a.dtype, precision),
+        safety=safety,
+    )
+    threshold = gamma * magnitude
+    if low_precision_out:
+        # Rounding C to bf16/fp16 moves each element by at most u_out of itself, so the line
+        # moves by at most u_out·Σ|c|: often far below u_out·|A||B|e, which is loose where terms
+        # cancel. A fault cannot hide behind it: it raises Σ|c| by u_out·|Δ|, the deviation by |Δ|.
+        # One more reduction over C, for low-precision outputs only.
+        rounding = (u_out / (1 - u_out)) * jnp.sum(jnp.abs(c32), axis=summed_axes)
+        # An INF in the line would make this bound INF too and hide itself.
+        threshold += safety * jnp.where(jnp.isfinite(rounding), rounding, 0.0)
+    slack = line * _underflow_slack(c.dtype, k) * scale_on_line
+    return LineChecksums(ref, jnp.abs(summed - ref), threshold + slack, scale)
+
+
+def repair_if(flagged: jax.Array, repair, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``repair(x)`` when ``flagged``, else ``(x, zero_counts())``; no copy of ``x`` when clean.
+
+    See :func:`sdcguard.in_place.apply_if` for why this is not a ``lax.cond``. It is not
+    reverse-differentiable: the checked einsum calls it inside its ``custom_vjp``, the softmax
+    check behind an identity ``custom_jvp``.
+
+    Args:
+      flagged: bool scalar, whether any line failed its check.
+      repair: ``x -> (x_repaired, counts)``; ``x_repaired`` has ``x``'s shape and dtype.
+      x: the checked tensor.
+
+    Returns:
+      ``(x or x_repaired, int32 [detected, corrected, uncorrectable, nonfinite_input])``.
+    """
+    # Zero counts typed like the flag (varying across devices inside shard_map, as the counts
+    # the repair computes from the device's own data are), so the loop's carry keeps its type.
+    zeros = zero_counts() + jnp.zeros_like(flagged, jnp.int32)
+    return apply_if(flagged, lambda checked: repair(checked[0]), (x, zeros))
+
+
+def check_contraction(
+    c: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    contraction: Contraction,
+    *,
+    config: ABFTConfig,
+    precision=None,
+    lhs_nonnegative: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Verifies ``c == einsum(contraction, a, b)`` by checksums, locating and correcting errors.
+
+    Repair, for each matrix of the batch with a flagged line: an element located at the
+    intersection of a flagged row and column, or non-finite or near-INF in a flagged line, is
+    rebuilt from its checksum when every flagged line holds one such element; otherwise every
+    flagged row (or, with no flagged row, every flagged column) is recomputed from ``a`` and
+    ``b``, which also repairs faults in several rows and columns. The repaired matrix is then
+    checked again and counts as corrected only if it passes. A matrix whose inputs define a
+    non-finite value in a flagged line is left as the inputs define it and counted
+    ``nonfinite_input``.
+
+    Known blind spot of line checksums: two errors in one row that cancel in its sum (and in
+    no column a fault could be seen alone) leave the row sum intact; the row check cannot see
+    them, as for any single-checksum ABFT.
+
+    Args:
+      c: the computed output (possibly corrupted), letters ``contraction.out``.
+      a, b: the inputs, letters ``contraction.lhs`` / ``contraction.rhs``.
+      contraction: the parsed einsum.
+      config: thresholds and whether to correct.
+      precision: the precision of the GEMM (for the input-rounding term of the tolerance).
+      lhs_nonnegative: ``a >= 0`` elementwise on clean data (see :func:`checked_einsum`).
+
+    Returns:
+      ``(c_checked, counts)``: ``c`` with located errors corrected (unchanged when clean), and
+      int32 ``[detected, corrected, uncorrectable, nonfinite_input]`` over the batch of matrices.
+    """
+    ct = contraction
+    # Detection needs one side: an error in C changes the sum of its row. The column checksums
+    # that locate it are encoded only when a row is flagged, so the clean path reads C once.
+    rows = line_checksums(
+        c,
+        a,
+        b,
+        ct,
+        "row",
+        safety=config.safety,
+        precision=precision,
+        lhs_nonnegative=lhs_nonnegative,
+    )
+    bad_row = ~(rows.deviation <= rows.threshold)
+    row_term = ct.without(ct.rhs_free)
+    row_free = axes_of(row_term, ct.lhs_free)
+    if not config.correct:
+        # Detection only: C is passed on as it is, so nothing waits on a repair loop. A flagged
+        # row whose checksum, computed from the inputs alone, is not finite was doomed upstream.
+        detected = jnp.any(bad_row, axis=row_free)
+        upstream = jnp.any(bad_row & ~jnp.isfinite(rows.ref), axis=row_free)
+        return c, count_outcomes(jnp.sum(detected), 0, jnp.sum(upstream))
+    col_term = ct.without(ct.lhs_free)
+    dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
+    batch = ct.batch
+
+    # Everything below works in C's own layout: a per-column array (letters `col_term`, a
+    # subsequence of `ct.out`) broadcasts against C after a reshape that inserts unit axes, so
+    # no transposes are needed and the correction branch stays small to compile.
+    out = ct.out
+
+    def on_c(x, term):
+        return x.reshape([dims[x_] if x_ in term else 1 for x_ in out])
+
+    lhs_axes, rhs_axes = axes_of(out, ct.lhs_free), axes_of(out, ct.rhs_free)
+    col_free = axes_of(col_term, ct.rhs_free)
+    line_axes = lhs_axes + rhs_axes
+
+    def locate_and_correct(c):
+        # Casts live in the branch: outside it, a bf16 C would be widened on every clean step.
+        c32 = c.astype(jnp.float32)
+        cols = line_checksums(c, a, b, ct, "col", safety=config.safety, precision=precision)
+        bad_col = ~(cols.deviation <= cols.threshold)
+        br, bc = on_c(bad_row, row_term), on_c(bad_col, col_term)
+        in_flagged_line = br | bc
+        extreme = (~jnp.isfinite(c32) | (jnp.abs(c32) >= config.near_inf)) & in_flagged_line
+        located = extreme | (br & bc)
+        per_col = jnp.sum(located, axis=lhs_axes)  # letters col_term
+        per_row = jnp.sum(located, axis=rhs_axes)  # letters row_term
+        # Per matrix of the batch: every flagged line must hold a located element, and on the
+        # side used for the repair each line must hold at most one.
+        some = jnp.any(located, axis=line_axes)
+        covered = jnp.all(~bad_row | (per_row > 0), axis=row_free) & jnp.all(
+            ~bad_col | (per_col > 0), axis=col_free
+        )
+        by_col = some & covered & jnp.all(per_col <= 1, axis=col_free)
+        by_row = some & covered & jnp.all(per_row <= 1, axis=row_free) & ~by_col
+        # The checksums are scaled by a power of two per matrix; so is the sum they rebuild from.
+        row_scale = _along(rows.scale, batch, out, c.shape)
+        col_scale = _along(cols.scale, batch, out, c.shape)
+        clean_part = jnp.where(located, 0.0, c32)
+        from_col = on_c(cols.ref, col_term) - jnp.sum(
+            clean_part * col_scale, lhs_axes, keepdims=True
+        )
+        from_row = on_c(rows.ref, row_term) - jnp.sum(
+            clean_part * row_scale, rhs_axes, keepdims=True
+        )
+        fixed = jnp.where(located & on_c(by_col, batch), from_col / col_scale, c32)
+        fixed = jnp.where(located & on_c(by_row, batch), from_row / row_scale, fixed)
+        # Otherwise the flagged rows (or, with none, the flagged columns) are recomputed.
+        n_rows = jnp.sum(bad_row, axis=row_free)
+        by_lines = ~by_col & ~by_row
+        redo_rows = br & on_c(by_lines & (n_rows > 0), batch)
+        redo_cols = bc & on_c(by_lines & (n_rows == 0), batch)
+        fresh = jnp.einsum(
+            ct.spec, a.astype(jnp.float32), b.astype(jnp.float32), precision="highest"
+        ).astype(c.dtype)
+        fixed = jnp.where(redo_rows | redo_cols, fresh.astype(jnp.float32), fixed)
+        # The inputs themselves define a non-finite value in a flagged line: pass on what they
+        # define; this GEMM is not where the error arose.
+        upstream = jnp.any(~jnp.isfinite(fresh) & in_flagged_line, axis=line_axes)
+        fixed = jnp.where(on_c(upstream, batch) & in_flagged_line, fresh, fixed).astype(c.dtype)
+        # Counted corrected only if the repaired matrix passes both checks.
+        rows_after = line_checksums(
+            fixed,
+            a,
+            b,
+            ct,
+            "row",
+            safety=config.safety,
+            precision=precision,
+            lhs_nonnegative=lhs_nonnegative,
+        )
+        cols_after = line_checksums(
+            fixed, a, b, ct, "col", safety=config.safety, precision=precision
+        )
+        passes = jnp.all(rows_after.deviation <= rows_after.threshold, axis=row_free) & jnp.all(
+            cols_after.deviation <= cols_after.threshold, axis=col_free
+        )
+        flagged = jnp.any(bad_row, axis=row_free) | jnp.any(bad_col, axis=col_free)
+        corrected = flagged & ~upstream & passes
+        return fixed, count_outcomes(
+            jnp.sum(flagged), jnp.sum(corrected), jnp.sum(flagged & upstream)
+        )
+
+    return repair_if(jnp.any(bad_row), locate_and_correct, c)

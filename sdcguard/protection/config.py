@@ -1,0 +1,154 @@
+"""What a check checks (:class:`ABFTConfig`) and what it reports (:class:`Counts`).
+
+The bottom of the protection stack: the checksum math (:mod:`sdcguard.protection.checksums`),
+its XLA and Pallas implementations, the dispatch (:mod:`sdcguard.protection.abft`) and the
+layers all read these; this module reads nothing of sdcguard's but the site names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sdcguard.fault_model.sites import ATTENTION_SITES, NEAR_INF
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ABFTConfig:
+    """What the protected attention checks and how.
+
+    Attributes:
+      sites: attention sites to protect (subset of ``query, key, value, scores, probs,
+        context, out``).
+      forward: check the forward GEMMs.
+      backward: check the two gradient GEMMs of every protected forward GEMM.
+      correct: correct located errors in place; if False, only detect: every detection is
+        counted uncorrectable (the error is passed on, for an update guard to refuse the step)
+        and no repair branch is compiled, so nothing downstream waits on a check.
+      safety: multiplier on the round-off bound (1.0 is already a worst-case bound).
+      near_inf: magnitude at and above which a value in a flagged line is located directly.
+      implementation: ``'xla'`` (any backend), ``'pallas'`` (GPU kernels) or ``'auto'``.
+      include, exclude: glob patterns over site names for :func:`sdcguard.checked`: a GEMM is
+        checked when its name matches some ``include`` pattern and no ``exclude`` pattern
+        (e.g. ``include=("*attn*",)``, or ``exclude=("*head*",)``).
+      recompute: for :func:`sdcguard.checked`: checks only detect, and a call with any
+        detection is computed again from the same arguments with in-place repair.
+      per_iteration: for :func:`sdcguard.checked`: one row of counters per ``scan`` iteration
+        instead of their sum.
+
+    Example:
+      >>> cfg = ABFTConfig(sites=("scores", "context"), backward=False)
+    """
+
+    sites: tuple[str, ...] = ATTENTION_SITES
+    forward: bool = True
+    backward: bool = True
+    correct: bool = True
+    safety: float = 1.0
+    near_inf: float = NEAR_INF
+    implementation: str = "auto"
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+    recompute: bool = False
+    per_iteration: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "sites", tuple(self.sites))
+        for field in ("include", "exclude"):
+            patterns = getattr(self, field)
+            if isinstance(patterns, str):
+                raise TypeError(
+                    f"ABFTConfig.{field} takes a tuple of glob patterns, got the string "
+                    f"{patterns!r}; write {field}=({patterns!r},)"
+                )
+            object.__setattr__(self, field, tuple(patterns))
+        unknown = set(self.sites) - set(ATTENTION_SITES)
+        if unknown:
+            raise ValueError(
+                f"unknown ABFT sites {sorted(unknown)}; valid sites: {list(ATTENTION_SITES)}"
+            )
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"
+            )
+        if not self.safety >= 1.0:
+            raise ValueError(
+                f"safety={self.safety} would put the threshold below the round-off bound and "
+                "raise false alarms; use safety >= 1"
+            )
+        if not self.near_inf > 0:
+            raise ValueError(f"near_inf must be positive, got {self.near_inf}")
+
+    def checks(self, site: str, *, backward: bool = False) -> bool:
+        """Whether ``site`` is checked in the given direction."""
+        return site in self.sites and (self.backward if backward else self.forward)
+
+    def resolved_implementation(self) -> str:
+        """``'xla'`` or ``'pallas'``. ``'auto'`` is the XLA path until GPU timings of the
+        kernels exist; ``'pallas'`` off a GPU runs the kernels in interpret mode (slow)."""
+        return "xla" if self.implementation == "auto" else self.implementation
+
+
+class Counts(NamedTuple):
+    """Per-site counters; each is int32. A *check* is one matrix of a batched GEMM.
+
+    Every detected check has exactly one outcome: ``detected == corrected + uncorrectable +
+    nonfinite_input``.
+
+    detected: checks whose checksums disagreed beyond the round-off bound.
+    corrected: detected checks whose output, after repair, passes its checksums again.
+    uncorrectable: detected checks left (partly) wrong; never silently passed on: they are
+      counted here for the update guard to refuse the step.
+    nonfinite_input: detected checks whose *inputs* define a non-finite output (an operand
+      already held a NaN or INF, or the exact product overflows the output dtype). The error
+      came from upstream of this GEMM, so there is nothing to correct here: the output is left
+      as the inputs define it and the update guard refuses the step as for uncorrectable.
+    """
+
+    detected: jax.Array
+    corrected: jax.Array
+    uncorrectable: jax.Array
+    nonfinite_input: jax.Array
+
+
+NUM_COUNTERS = len(Counts._fields)
+COUNTER_NAMES = Counts._fields
+
+
+def zero_counts() -> jax.Array:
+    """int32 ``[NUM_COUNTERS]`` zeros."""
+    return jnp.zeros((NUM_COUNTERS,), jnp.int32)
+
+
+def count_outcomes(detected: jax.Array, corrected: jax.Array, nonfinite_input=0) -> jax.Array:
+    """int32 ``[detected, corrected, uncorrectable, nonfinite_input]``; uncorrectable is what
+    was detected and neither corrected nor explained by non-finite inputs."""
+    uncorrectable = detected - corrected - nonfinite_input
+    return jnp.stack(
+        jnp.broadcast_arrays(detected, corrected, uncorrectable, nonfinite_input)
+    ).astype(jnp.int32)
+
+
+def unsafe_checks(counts: jax.Array) -> jax.Array:
+    """How many checks left an output the update guard must not accept: ``[..., NUM_COUNTERS]``
+    counters to ``uncorrectable + nonfinite_input`` (shape ``[...]``).
+
+    Example:
+      >>> tx.update(grads, opt_state, params, abft_uncorrectable=unsafe_checks(counts))
+    """
+    counts = jnp.asarray(counts)
+    return counts[..., 2] + counts[..., 3]
+
+
+def zero_sink() -> jax.Array:
+    """The backward-counter sink of one GEMM site: float32 ``[2, 3]`` zeros.
+
+    Its *gradient* is ``[[grad_lhs counts], [grad_rhs counts]]``: differentiate the loss with
+    respect to the sink to read the backward counters with no host sync.
+    """
+    return jnp.zeros((2, NUM_COUNTERS), jnp.float32)
