@@ -6,6 +6,8 @@ forward GEMM, an MLP backward GEMM and an attention GEMM must be detected and co
 """
 
 import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import flax.linen as nn
@@ -251,17 +253,31 @@ CASES = {
 }
 
 
+class Case(NamedTuple):
+    step: Callable
+    args: tuple
+    sites: dict[str, str]
+    expected: Any  # the plain step's outputs
+    faulty: Callable  # (plan, *args) -> checked step's (outputs, report), compiled once
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request):
-    return CASES[request.param]()
+    step, args, sites = CASES[request.param]()
+
+    # One compilation serves every fault plan of a capacity: the sites below share it.
+    @jit
+    def faulty(plan, *args):
+        with sdcguard.faults(plan):
+            return sdcguard.checked(step)(*args)
+
+    return Case(step, args, sites, jit(step)(*args), faulty)
 
 
 def test_clean_step_matches_the_plain_step_and_reports_every_gemm(case):
-    step, args, _ = case
-    expected = jit(step)(*args)
-    out, report = jit(sdcguard.checked(step))(*args)
-    assert_tree_close(out, expected)
-    names = {s.name for s in list_sites(step, *args) if s.checked}
+    out, report = jit(sdcguard.checked(case.step))(*case.args)
+    assert_tree_close(out, case.expected)
+    names = {s.name for s in list_sites(case.step, *case.args) if s.checked}
     assert set(report) == names
     assert any(".grad_lhs" in n for n in names) and any(".grad_rhs" in n for n in names)
     np.testing.assert_array_equal(total(report), [0, 0, 0, 0])
@@ -269,16 +285,9 @@ def test_clean_step_matches_the_plain_step_and_reports_every_gemm(case):
 
 @pytest.mark.parametrize("where", ["mlp_forward", "mlp_backward", "attention"])
 def test_inf_at_a_site_is_corrected(case, where):
-    step, args, sites = case
-    site = sites[where]
-
-    @jit
-    def faulty(plan, *args):
-        with sdcguard.faults(plan):
-            return sdcguard.checked(step)(*args)
-
+    site = case.sites[where]
     plan = FaultPlan.from_faults([Fault(site=site, kind="inf", index=5)], capacity=2)
-    out, report = faulty(plan, *args)
+    out, report = case.faulty(plan, *case.args)
     np.testing.assert_array_equal(report[site], [1, 1, 0, 0])
     np.testing.assert_array_equal(total(report), [1, 1, 0, 0])
-    assert_tree_close(out, jit(step)(*args))
+    assert_tree_close(out, case.expected)

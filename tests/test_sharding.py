@@ -23,6 +23,7 @@ from tolerances import assert_close
 import sdcguard
 from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.protection import sharding
+from sdcguard.protection.config import ABFTConfig
 from sdcguard.protection.transform import total
 
 COLLECTIVE = re.compile(
@@ -150,7 +151,7 @@ class TinyLM(nn.Module):
         return nn.Dense(16, name="head")(Block(name="block_0")(x))
 
 
-def lm_step(params, sinks, tokens, protect):
+def lm_step(params, sinks, tokens, protect, config=None):
     def loss_fn(p, s):
         variables = {"params": p, "sdc_grad": s} if protect else {"params": p}
         logits, state = TinyLM().apply(variables, tokens[:, :-1], mutable=["sdc"])
@@ -158,7 +159,7 @@ def lm_step(params, sinks, tokens, protect):
         return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)), state
 
     if protect:
-        with sl.protect():
+        with sl.protect(config):
             (loss, state), (grads, sink_grads) = jax.value_and_grad(loss_fn, (0, 1), has_aux=True)(
                 params, sinks
             )
@@ -238,3 +239,53 @@ def test_linen_dropins_under_shard_map_with_check_vma_on_8_devices():
     assert_close(loss, expected[1], jnp.float32)
     assert_close(loss, plain_loss, jnp.float32)
     assert_trees_close(new, plain_new)
+
+
+def block_step(params, sinks, x, config):
+    """One SGD step of a transformer block on a regression loss, its attention protected."""
+
+    def loss_fn(p, s):
+        y, state = Block().apply({"params": p, "sdc_grad": s}, x, mutable=["sdc"])
+        return jnp.mean(y**2), state
+
+    with sl.protect(config):
+        (loss, state), (grads, sink_grads) = jax.value_and_grad(loss_fn, (0, 1), has_aux=True)(
+            params, sinks
+        )
+    new = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    return new, loss, sl.total_counts(state["sdc"], sink_grads)
+
+
+@needs_8
+@pytest.mark.parametrize("config", [ABFTConfig(), ABFTConfig(sites=())], ids=["checked", "off"])
+def test_linen_dropins_on_explicit_axes_on_8_devices(config):
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    # jax.make_mesh's default: sharding in the types. Data parallel: each weight's gradient
+    # contracts over the sharded batch, a GEMM whose output sharding JAX cannot infer unless
+    # told (as its own transpose rule is), with the checks on or off.
+    x = jax.random.normal(jax.random.key(0), (8, 8, 16))
+    params = nn.unbox(Block().init(jax.random.key(1), x))["params"]
+    with sl.protect():
+        sinks = sl.init_sinks(Block(), x)
+    step = functools.partial(block_step, config=config)
+    expected = jax.jit(step)(params, sinks, x)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        params, sinks = jax.device_put((params, sinks), NamedSharding(mesh, P()))
+        x = jax.device_put(x, NamedSharding(mesh, P("data")))
+        new, loss, counts = jax.jit(step)(params, sinks, x)
+        assert_close(loss, expected[1], jnp.float32)
+        assert_trees_close(new, expected[0])
+        np.testing.assert_array_equal(counts, [0, 0, 0, 0])
+        # A fault lands on the device that holds its element: a GEMM output (corrected when
+        # checked) and the softmax output (repaired by the softmax check).
+        for site in ("attn:value", "attn:probs"):
+            f_new, f_loss, f_counts = run_with(one_inf(site), step, params, sinks, x)
+            if config.sites == ():
+                assert not np.isfinite(f_loss), site
+            else:
+                np.testing.assert_array_equal(f_counts, [1, 1, 0, 0], err_msg=site)
+                assert_close(f_loss, loss, jnp.float32)
+                assert_trees_close(f_new, new)

@@ -6,6 +6,11 @@ function, :func:`faults` makes the plan visible to every protected site; each si
 faults addressed to it (by :func:`sdcguard.fault_model.sites.site_id`) to the tensor it has just
 produced, before any check runs -- exactly where a faulty GEMM would have put them.
 
+Why one module: a plan, the context that carries it, the functions that apply it (whole
+tensors, a device's block, module outputs) and the record of what fired share one addressing
+scheme (site id, flat index, step); apart, a change to one would silently move the element
+another hits.
+
 Example:
   >>> plan = FaultPlan.from_faults([
   ...     Fault(site="decoder/block_0/attn:scores", kind="inf", index=17, step=3)])
@@ -21,6 +26,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -28,6 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from sdcguard.fault_model.sites import (
     NEAR_INF,
@@ -246,15 +253,6 @@ def restrict_sites(
         _RESTRICTION.reset(token)
 
 
-def _stored_index(index: jax.Array, shape: tuple[int, ...], axes: tuple[int, ...]) -> jax.Array:
-    """Flat index into ``transpose(t, axes)`` of the element at flat ``index`` of ``t``."""
-    site_shape = [0] * len(shape)
-    for stored_axis, site_axis in enumerate(axes):
-        site_shape[site_axis] = shape[stored_axis]
-    coords = jnp.unravel_index(index, site_shape)
-    return jnp.ravel_multi_index(tuple(coords[a] for a in axes), shape, mode="clip")
-
-
 def apply(
     x: jax.Array, plan: FaultPlan | None, site: str, *, axes: tuple[int, ...] | None = None
 ) -> jax.Array:
@@ -262,7 +260,8 @@ def apply(
 
     The element index is taken modulo ``x.size``; a random index comes from the fault's seed
     and the site, so one seed hits a different element at each site. All faults of the plan are
-    applied in one gather and one scatter.
+    applied in one gather and one scatter. On a mesh with explicit axes (sharding in the
+    types), each device corrupts the element in the block it holds.
 
     Args:
       x: the site's tensor, or a transpose of it (see ``axes``).
@@ -271,25 +270,92 @@ def apply(
       axes: when ``x`` is ``jnp.transpose(t, axes)`` of the site's tensor ``t`` (a GEMM checked
         in its own output order), indices keep naming elements of ``t``, so a fault hits the
         same element whichever order the site is computed in.
+
+    Example:
+      >>> with sdcguard.faults(FaultPlan.from_faults([Fault(site="m:x", kind="nan", index=2)])):
+      ...     y = apply(jnp.ones(4), active_plan(), "m:x")   # [1, 1, nan, 1]
     """
+    spec = _explicit_spec(x)
+    if spec is None or plan is None or plan.num_faults == 0:
+        return apply_in_block(x, plan, site, axes=axes)
+    mesh = jax.typeof(x).sharding.mesh
+    names = {name for entry in spec for name in _spec_names(entry)}
+    shape = x.shape
+
+    def per_device(block, plan):
+        offsets = []
+        for entry, n in zip(spec, block.shape, strict=True):
+            position = 0
+            for name in _spec_names(entry):  # major to minor, as the block was split
+                position = position * mesh.shape[name] + jax.lax.axis_index(name)
+            offsets.append(position * n)
+        return apply_in_block(block, plan, site, axes=axes, global_shape=shape, offsets=offsets)
+
+    # Each device corrupts its own block; every replica of that block alike, as they hold one
+    # value. The shard_map is outside autodiff (the straight-through gradient is x's own).
+    corrupted = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(P(*spec), jax.tree_util.tree_map(lambda _: P(), plan)),
+        out_specs=P(*spec),
+        axis_names=names,
+        check_vma=False,
+    )(jax.lax.stop_gradient(x), plan)
+    return _straight_through(x, corrupted)
+
+
+def apply_in_block(
+    c: jax.Array,
+    plan: FaultPlan | None,
+    site: str,
+    *,
+    axes: tuple[int, ...] | None = None,
+    global_shape: tuple[int, ...] | None = None,
+    offsets: Sequence | None = None,
+    owner: jax.Array | bool = True,
+) -> jax.Array:
+    """The faults of ``plan`` at ``site`` that fall in ``c``, a block of the site's tensor.
+
+    This is what a device runs on the block it holds (inside ``shard_map``, or a sharded check
+    of :mod:`sdcguard.protection.sharding`); :func:`apply` is the whole-tensor case.
+
+    Args:
+      c: ``[...]`` the block, in the stored order (see ``axes``).
+      plan, site, axes: as in :func:`apply`; indices name elements of the whole tensor.
+      global_shape: the whole tensor's shape, in the stored order (default ``c.shape``).
+      offsets: per stored axis, where the block starts in the whole tensor (ints or traced);
+        None for the whole tensor.
+      owner: bool (traced or not): whether this device's block is the one a fault corrupts
+        (False for all but one device when each holds a partial sum of the element).
+    """
+    global_shape = c.shape if global_shape is None else tuple(global_shape)
+    size = math.prod(global_shape)
     armed, sizes, dtypes = _RESTRICTION.get()
     if sizes is not None:
-        sizes.setdefault(site, int(x.size))
+        sizes.setdefault(site, int(size))
     if dtypes is not None:
-        dtypes.setdefault(site, str(x.dtype))
+        dtypes.setdefault(site, str(c.dtype))
     if plan is None or plan.num_faults == 0 or (armed is not None and site not in armed):
-        return x
+        return c
     sid = site_id(site)
-    flat = x.reshape(-1)
-    index = jnp.where(
-        plan.index >= 0, plan.index % flat.size, random_index(plan.seed, sid, flat.size)
-    )
-    stored = index
-    if axes is not None and tuple(axes) != tuple(range(x.ndim)):
-        stored = _stored_index(index, x.shape, tuple(axes))
+    index = jnp.where(plan.index >= 0, plan.index % size, random_index(plan.seed, sid, size))
+    axes = tuple(range(c.ndim)) if axes is None else tuple(axes)
+    site_shape = [0] * c.ndim
+    for stored_axis, site_axis in enumerate(axes):
+        site_shape[site_axis] = global_shape[stored_axis]
+    coords = jnp.unravel_index(index, site_shape)
+    local = [coords[a] for a in axes]
+    fires = fault_hits(plan, sid)
+    if offsets is not None:
+        local = [x - offset for x, offset in zip(local, offsets, strict=True)]
+        inside = jnp.asarray(owner)
+        for x, n in zip(local, c.shape, strict=True):
+            inside = inside & (x >= 0) & (x < n)
+        fires = fires & inside
+    flat = c.reshape(-1)
+    stored = jnp.ravel_multi_index(tuple(local), c.shape, mode="clip")
     old = flat[stored]
     new = jax.vmap(corrupt)(old, plan.kind, plan.bit, plan.value)
-    fires = fault_hits(plan, sid)
     log = _HIT_LOG.get()
     if log is not None:
         # Only when a fault fires: a host callback at every site and step would serialise the
@@ -303,7 +369,31 @@ def apply(
     # Faults that do not fire are sent out of bounds and dropped, so they cannot race a firing
     # fault at the same index.
     stored = jnp.where(fires, stored, flat.size)
-    return _straight_through(x, flat.at[stored].set(new, mode="drop").reshape(x.shape))
+    return _straight_through(c, flat.at[stored].set(new, mode="drop").reshape(c.shape))
+
+
+def _spec_names(entry) -> tuple[str, ...]:
+    if entry is None or entry is P.UNCONSTRAINED:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _explicit_spec(x: jax.Array) -> tuple | None:
+    """``x``'s partition spec (one entry per axis) when it is split over explicit mesh axes
+    outside ``shard_map``, else None (a whole tensor, or a device's own block)."""
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return None
+    try:
+        sharding = jax.typeof(x).sharding
+    except (AttributeError, TypeError):
+        return None
+    spec = getattr(sharding, "spec", None)
+    if spec is None or sharding.mesh.empty:
+        return None
+    spec = tuple(spec) + (None,) * (x.ndim - len(tuple(spec)))
+    if not any(_spec_names(entry) for entry in spec):
+        return None
+    return spec
 
 
 @jax.custom_jvp

@@ -225,12 +225,18 @@ def _gemm(st: _Static, ct: Contraction, a, b, plan, site: str, check: bool, lhs_
             lhs_nonnegative=lhs_nonnegative,
         )
 
-    mesh = sharding.device_mesh(a, b) if check or plan is not None else None
+    mesh = sharding.device_mesh(a, b)
+    if not (check or plan is not None or sharding.has_explicit_axes(mesh)):
+        # Nothing to check or inject: a plain GEMM, placed by XLA's propagation. Explicit axes
+        # need the shard-local path even so: a gradient GEMM contracted over a sharded axis
+        # has no output sharding JAX can infer.
+        mesh = None
     c, counts = sharding.shard_local(local, a, b, plan, stored, mesh=mesh)
     if mesh is not None:
         # One row per device, summed here: a tiny all-reduce that depends on nothing but the
-        # checks, so XLA can combine those of the whole step (scripts/bench_sharding.py).
-        counts = sharding.sum_rows(counts, mesh)
+        # checks, so XLA can combine those of the whole step (scripts/bench_sharding.py). An
+        # unchecked GEMM counts nothing, and needs no all-reduce to say so.
+        counts = sharding.sum_rows(counts, mesh) if check else zero_counts()
     return jnp.transpose(c, [stored.out.index(x) for x in ct.out]), counts
 
 

@@ -80,6 +80,7 @@ __all__ = [
     "as_rows",
     "counter_rows",
     "device_mesh",
+    "has_explicit_axes",
     "shard_local",
     "shard_rows",
     "sum_rows",
@@ -111,35 +112,15 @@ class Block:
         """
         if self.offsets is None:
             return inject.apply(c, plan, site, axes=axes)
-        return _inject_block(c, plan, site, axes, self)
-
-
-def _inject_block(c, plan, site, axes, block: Block):
-    armed, sizes, dtypes = inject._RESTRICTION.get()
-    size = math.prod(block.global_shape)
-    if sizes is not None:
-        sizes.setdefault(site, int(size))
-    if dtypes is not None:
-        dtypes.setdefault(site, str(c.dtype))
-    if plan is None or plan.num_faults == 0 or (armed is not None and site not in armed):
-        return c
-    sid = inject.site_id(site)
-    index = jnp.where(plan.index >= 0, plan.index % size, inject.random_index(plan.seed, sid, size))
-    site_shape = [0] * c.ndim
-    for stored_axis, site_axis in enumerate(axes):
-        site_shape[site_axis] = block.global_shape[stored_axis]
-    coords = jnp.unravel_index(index, site_shape)
-    local = [coords[a] - off for a, off in zip(axes, block.offsets, strict=True)]
-    inside = block.owner
-    for x, n in zip(local, c.shape, strict=True):
-        inside = inside & (x >= 0) & (x < n)
-    flat = c.reshape(-1)
-    stored = jnp.ravel_multi_index(tuple(local), c.shape, mode="clip")
-    old = flat[stored]
-    new = jax.vmap(inject.corrupt)(old, plan.kind, plan.bit, plan.value)
-    fires = inject.fault_hits(plan, sid) & inside
-    stored = jnp.where(fires, stored, flat.size)
-    return inject._straight_through(c, flat.at[stored].set(new, mode="drop").reshape(c.shape))
+        return inject.apply_in_block(
+            c,
+            plan,
+            site,
+            axes=axes,
+            global_shape=self.global_shape,
+            offsets=self.offsets,
+            owner=self.owner,
+        )
 
 
 LocalFn = Callable[..., tuple[jax.Array, jax.Array]]
@@ -239,6 +220,11 @@ def device_mesh(*xs: jax.Array):
     return _mesh_of(*xs)
 
 
+def has_explicit_axes(mesh) -> bool:
+    """Whether ``mesh`` (a :func:`device_mesh`, or None) has an axis of type ``Explicit``."""
+    return mesh is not None and any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
 def _counter_axes(mesh) -> tuple[str, ...]:
     explicit = tuple(
         n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit
@@ -280,10 +266,11 @@ def sum_rows(rows: jax.Array, mesh) -> jax.Array:
     Example:
       >>> report = sum_rows(jnp.concatenate(all_site_rows, axis=1), mesh)
     """
-    n, spec = counter_rows(mesh)
+    n, _ = counter_rows(mesh)
     if rows.shape[0] != n:
         return jnp.sum(rows, axis=0)
-    names = spec[0]
+    # The names themselves, not the spec's entry: P(("data",)) holds just "data".
+    names = _counter_axes(mesh)
     rest = (None,) * (rows.ndim - 1)
     return jax.shard_map(
         lambda r: jax.lax.psum(r[0], names),
