@@ -143,6 +143,27 @@ def test_injected_faults_match_xla_counters_forward_and_backward():
         _close(a, r, jnp.float32)
 
 
+@pytest.mark.parametrize("correct", [True, False], ids=["in_place", "detect_only"])
+def test_a_nonfinite_input_is_counted_as_such_like_the_xla_path(correct):
+    # A NaN already in the query: no GEMM of this layer made it, none can repair it. Both paths
+    # must say so (nonfinite_input), never "corrected".
+    b, t, h, d = 1, 16, 1, 16
+    q_raw, k, v = _qkv(jnp.float32, b, t, t, h, d)
+    q_raw = q_raw.at[0, 3, 0, 5].set(jnp.nan)
+    q = q_raw / jnp.sqrt(d).astype(q_raw.dtype)
+    cfg = abft.ABFTConfig(correct=correct, backward=False)
+    _, counts = fa.flash_attention(
+        q, k, v, causal=True, path="/".join(PATH), config=cfg, block_sizes=SMALL, interpret=True
+    )
+    rec = SiteRecorder(PATH, cfg, jnp.zeros((len(GEMM_SITES), 2, abft.NUM_COUNTERS)))
+    mask = jnp.tril(jnp.ones((1, 1, t, t), bool))
+    protected_attention(q_raw, k, v, None, mask, recorder=rec, deterministic=True)
+    counts_x = jnp.stack([rec.counts[s] for s in fa.FORWARD_SITES])
+    assert counts.tolist() == counts_x.tolist()
+    scores, context = counts.tolist()[0], counts.tolist()[2]
+    assert scores == context == [1, 0, 0, 1]
+
+
 def test_detect_only_counts_uncorrectable():
     q, k, v = _qkv(jnp.float32, 1, 16, 16, 1, 16)
     plan = inject.FaultPlan.from_faults(
@@ -152,8 +173,13 @@ def test_detect_only_counts_uncorrectable():
     out, counts = fa.flash_attention(
         q, k, v, config=cfg, plan=plan, block_sizes=SMALL, interpret=True
     )
-    # Detect-only passes the INF on: the softmax and P·V checks downstream flag it again.
-    assert counts.tolist() == [[1, 0, 1, 0]] * 3
+    # Detect-only passes the INF on: the softmax check flags it again, and the P·V check finds
+    # its input already non-finite (from upstream), as the XLA path does.
+    assert counts.tolist() == [[1, 0, 1, 0], [1, 0, 1, 0], [1, 0, 0, 1]]
+    rec = SiteRecorder(("attn",), cfg, jnp.zeros((len(GEMM_SITES), 2, abft.NUM_COUNTERS)))
+    with inject.faults(plan):
+        protected_attention(q, k, v, None, None, recorder=rec, deterministic=True)
+    assert jnp.stack([rec.counts[s] for s in fa.FORWARD_SITES]).tolist() == counts.tolist()
     assert not np.isfinite(np.asarray(out)).all()
 
 

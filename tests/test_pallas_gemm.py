@@ -130,6 +130,25 @@ def test_check_contraction_dropin_matches_abft():
     _close(out, s, jnp.float32)
 
 
+@pytest.mark.parametrize("correct", [True, False], ids=["in_place", "detect_only"])
+def test_a_nonfinite_input_is_counted_as_such_like_the_xla_path(correct):
+    # A NaN already in an operand defines NaNs in C: counted nonfinite_input, never corrected,
+    # and C left as the inputs define it, as checksums.check_contraction does.
+    kq, kk = jax.random.split(jax.random.key(1))
+    q = jax.random.normal(kq, (2, 12, 3, 16)).at[1, 4, 2, 9].set(jnp.nan)
+    k = jax.random.normal(kk, (2, 20, 3, 16))
+    ct = checksums.Contraction.parse("bqhd,bkhd->bhqk", 4, 4)
+    s = jnp.einsum(ct.spec, q, k, precision="highest")
+    cfg = abft.ABFTConfig(correct=correct)
+    out, counts = jax.jit(
+        lambda s, q, k: verify.check_contraction(s, q, k, ct, config=cfg, interpret=True)
+    )(s, q, k)
+    ref_out, ref_counts = checksums.check_contraction(s, q, k, ct, config=cfg)
+    assert counts.tolist() == ref_counts.tolist() == [1, 0, 0, 1]
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(s))
+    _close(jnp.nan_to_num(out), jnp.nan_to_num(ref_out), jnp.float32)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_checked_matmul_equals_reference(dtype):
     a, b = _operands(dtype)

@@ -15,10 +15,9 @@ backward-counter sinks and fault plans, the checks done in its tiles. A call the
 (an additive bias, attention dropout, sown attention weights, grouped KV heads, a value head size
 other than the query's, a dtype other than float32/bfloat16/float16) runs unfused instead, each GEMM
 through the checked Pallas GEMM kernel, with one :class:`PallasFallbackWarning` per layer naming the
-feature and what to change. Differences of the kernel: a non-finite input counts as
-``uncorrectable`` (not ``nonfinite_input``; the update guard refuses both), errors are located per
-tile rather than per matrix (see :mod:`sdcguard.protection.pallas.flash`), and forward-mode autodiff
-(``jax.jvp``) is not supported.
+feature and what to change. Differences of the kernel: errors are located per tile rather than
+per matrix (see :mod:`sdcguard.protection.pallas.flash`), and forward-mode autodiff (``jax.jvp``)
+is not supported.
 """
 
 from __future__ import annotations

@@ -225,6 +225,11 @@ def table_specs(table: FaultTable | None, pl, grid_rank: int):
 # --- Checking one tile product inside a kernel -------------------------------------------------
 
 
+# The "uncorrected" flag of a tile whose inputs define a non-finite value (above 0 and 1, so
+# the max over a matrix's tiles keeps it).
+NONFINITE_INPUT = 2
+
+
 def _i32(x):
     return x.astype(jnp.int32)
 
@@ -262,7 +267,10 @@ def check_tile(
       recompute: ``() -> float32 [m, n]``: the tile recomputed (for a whole bad row/column).
 
     Returns:
-      ``(c_checked, detected, uncorrected)``: the tile and two int32 scalars (0 or 1).
+      ``(c_checked, detected, uncorrected)``: the tile and two int32 scalars: detected 0 or
+      1; uncorrected 0, 1, or :data:`NONFINITE_INPUT` when a flagged row's checksum, computed
+      from ``a`` and ``b`` alone, is not finite (the error came from upstream; the tile is left
+      as its inputs define it, as the XLA path does).
     """
     m, n = c.shape
     gamma_row = roundoff_gamma(
@@ -309,8 +317,12 @@ def check_tile(
         one_col = (n_bad_cols == 1) & ~by_col & ~by_row & ~one_row
         flagged = (n_bad_rows + n_bad_cols) > 0
         repaired = flagged & (by_col | by_row | one_row | one_col)
+        # Inputs that define a non-finite line: no fault of this tile, nothing to repair here.
+        upstream = jnp.sum(_i32(bad_row & ~jnp.isfinite(row_ref))) > 0
+        # NONFINITE_INPUT when upstream, else 0 or 1: max() over tiles keeps the upstream mark.
+        mark = jnp.where(upstream, NONFINITE_INPUT, _i32(flagged))
         if not correct:
-            return c, _i32(flagged), _i32(flagged)
+            return c, _i32(flagged), mark
         fixed = jnp.where(located & by_col, (col_ref - rest_col)[None, :], c)
         fixed = jnp.where(located & by_row, (row_ref - rest_row)[:, None], fixed)
         # A whole bad row or column: recompute the tile and take that line from it. Nested in
@@ -319,7 +331,8 @@ def check_tile(
         fresh = lax.cond(need, recompute, lambda: fixed)
         fixed = jnp.where((br & one_row) | (bc & one_col), fresh, fixed)
         fixed = fixed.astype(out_dtype).astype(jnp.float32)
-        return fixed, _i32(flagged), _i32(flagged & ~repaired)
+        fixed = jnp.where(upstream, c, fixed)
+        return fixed, _i32(flagged), jnp.where(upstream, NONFINITE_INPUT, _i32(flagged & ~repaired))
 
     def on_fault_(c, n_bad):
         del n_bad
@@ -336,14 +349,14 @@ def check_tile(
 def matrix_counts(flags: jax.Array, axis) -> jax.Array:
     """Counts ``[detected, corrected, uncorrectable, nonfinite_input]`` from per-program flags.
 
-    The kernels do not yet tell non-finite inputs apart: those count as uncorrectable, which the
-    update guard refuses as it refuses ``nonfinite_input``.
-
     Args:
-      flags: int32 ``[..., 2]``: (detected, uncorrected) of each program; the program axes in
-        ``axis`` are the parts of one matrix (a matrix is flagged when any part is).
+      flags: int32 ``[..., 2]``: (detected, uncorrected) of each program, uncorrected as
+        :func:`check_tile` gives it; the program axes in ``axis`` are the parts of one matrix
+        (a matrix is flagged when any part is, and its inputs are non-finite when any part's
+        are, as in :func:`sdcguard.protection.checksums.check_contraction`).
     """
     per_matrix = jnp.max(flags, axis=axis)
     det = per_matrix[..., 0].reshape(-1)
     unc = per_matrix[..., 1].reshape(-1)
-    return count_outcomes(jnp.sum(det), jnp.sum(det * (1 - unc)))
+    upstream = det * (unc == NONFINITE_INPUT)
+    return count_outcomes(jnp.sum(det), jnp.sum(det * (unc == 0)), jnp.sum(upstream))

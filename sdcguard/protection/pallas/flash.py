@@ -62,6 +62,7 @@ from sdcguard.fault_model import inject
 from sdcguard.protection.checksums import input_rounding, unit_roundoff
 from sdcguard.protection.config import NUM_COUNTERS, ABFTConfig
 from sdcguard.protection.pallas._common import (
+    NONFINITE_INPUT,
     cdiv,
     check_block,
     check_tile,
@@ -255,18 +256,28 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, tq, tk, d, tables):
             bad = ~(jnp.abs(jnp.sum(p, axis=1) - l_cur) <= tol) | (out_of_range > 0)
             n_bad = jnp.sum(bad.astype(jnp.int32))
 
-            def refresh(p, l_cur):
+            def refresh(p, l_cur, n_bad):
                 fresh = jnp.exp(s - m_next[:, None])
+                # A row the scores themselves make non-finite came from upstream.
+                upstream = jnp.sum((bad & ~jnp.isfinite(jnp.sum(fresh, axis=1))).astype(jnp.int32))
                 if not cfg.correct:
-                    return p, l_cur
+                    return p, l_cur, upstream
                 return (
                     jnp.where(bad[:, None], fresh, p),
                     jnp.where(bad, jnp.sum(fresh, axis=1), l_cur),
+                    upstream,
                 )
 
-            p, l_cur = lax.cond(n_bad > 0, refresh, lambda p, l_cur: (p, l_cur), p, l_cur)
+            def keep(p, l_cur, n_bad):
+                return p, l_cur, n_bad  # n_bad is 0 here (an SSA value, as Triton needs)
+
+            p, l_cur, upstream = lax.cond(n_bad > 0, refresh, keep, p, l_cur, n_bad)
             det = (n_bad > 0).astype(jnp.int32)
-            f_p = (det, det if not cfg.correct else zero)
+            if cfg.correct:
+                f_p = (det, jnp.where(upstream > 0, NONFINITE_INPUT, zero))
+            else:
+                # As the XLA path's detect-only softmax check, which does not recompute rows.
+                f_p = (det, det)
         l_next = alpha * l_prev + l_cur
         pin = p.astype(vb.dtype)
         o_t = _dot(st, pin, vb)
@@ -705,8 +716,8 @@ def flash_attention(
 
     Returns:
       ``(out, counts)``: ``out [B, Tq, H, D]`` and int32 ``[3, NUM_COUNTERS]`` counts (rows
-      ``scores, probs, context``; columns those of :class:`sdcguard.protection.config.Counts`; the
-      kernels count a non-finite input as uncorrectable, never as ``nonfinite_input``).
+      ``scores, probs, context``; columns those of :class:`sdcguard.protection.config.Counts`: a
+      tile product whose inputs are non-finite counts ``nonfinite_input``, as on the XLA path).
     """
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(f"want q [B, Tq, H, D], k = v [B, Tk, H, D]; got {q.shape}, {k.shape}")

@@ -252,7 +252,8 @@ def locate_and_correct(
       sums: the reference checksums.
 
     Returns:
-      ``(c_fixed, counts)`` with int32 counts ``[detected, corrected, uncorrectable]``.
+      ``(c_fixed, counts)`` with int32 counts ``[detected, corrected, uncorrectable,
+      nonfinite_input]``.
     """
     batch, m, n = c.shape
     bm, bn = block_sizes.block_m, block_sizes.block_n
@@ -287,9 +288,12 @@ def locate_and_correct(
     one_col = (jnp.sum(bad_col, axis=1) == 1) & ~by_col & ~by_row & ~one_row
     flagged = jnp.any(bad_row, axis=1) | jnp.any(bad_col, axis=1)
     repaired = flagged & (by_col | by_row | one_row | one_col)
+    # A flagged row whose checksum, from the inputs alone, is not finite: the inputs define a
+    # non-finite C there. Not this GEMM's fault and not correctable here; C is left as is.
+    upstream = jnp.any(bad_row & ~jnp.isfinite(sums.row), axis=1)
     if not correct:
-        return c, count_outcomes(jnp.sum(flagged), 0 * jnp.sum(flagged))
-    counts = count_outcomes(jnp.sum(flagged), jnp.sum(repaired))
+        return c, count_outcomes(jnp.sum(flagged), 0 * jnp.sum(flagged), jnp.sum(upstream))
+    counts = count_outcomes(jnp.sum(flagged), jnp.sum(repaired & ~upstream), jnp.sum(upstream))
 
     # A single bad row (column) is recomputed from A and B: a vector-matrix product.
     hi = jax.lax.Precision.HIGHEST
@@ -312,6 +316,8 @@ def locate_and_correct(
         + jnp.broadcast_to(by_col[:, None], bad_col.shape) * _FIX_LOCATED
         + (one_col[:, None] & bad_col) * _RECOMPUTE
     ).astype(jnp.int32)
+    rflag = jnp.where(upstream[:, None], 0, rflag)
+    cflag = jnp.where(upstream[:, None], 0, cflag)
     fixed = pl.pallas_call(
         functools.partial(_apply_kernel, m=m, n=n, bm=bm, bn=bn, near_inf=near_inf),
         grid=grid,
