@@ -224,6 +224,9 @@ def test_abft_plus_guard_runs_and_keeps_training_clean(tmp_path):
     assert guarded["nonfinite_loss"] and not guarded["nonfinite_params"]
 
 
+# A campaign of its own (~50 s): recompute on detection is also checked, faster, in
+# tests/test_checked_programs.py and tests/test_linen.py.
+@pytest.mark.slow
 def test_abft_recompute_detects_and_corrects_like_in_place_repair(tmp_path):
     """Detect-only checks and a recomputed step: the same rates as in-place repair."""
     config = tiny(
