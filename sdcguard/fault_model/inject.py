@@ -279,16 +279,14 @@ def apply(
     if spec is None or plan is None or plan.num_faults == 0:
         return apply_in_block(x, plan, site, axes=axes)
     mesh = jax.typeof(x).sharding.mesh
-    names = {name for entry in spec for name in _spec_names(entry)}
+    names = {name for entry in spec for name in spec_axes(entry)}
     shape = x.shape
 
     def per_device(block, plan):
-        offsets = []
-        for entry, n in zip(spec, block.shape, strict=True):
-            position = 0
-            for name in _spec_names(entry):  # major to minor, as the block was split
-                position = position * mesh.shape[name] + jax.lax.axis_index(name)
-            offsets.append(position * n)
+        offsets = [
+            jax.lax.axis_index(spec_axes(entry)) * n if spec_axes(entry) else 0
+            for entry, n in zip(spec, block.shape, strict=True)
+        ]
         return apply_in_block(block, plan, site, axes=axes, global_shape=shape, offsets=offsets)
 
     # Each device corrupts its own block; every replica of that block alike, as they hold one
@@ -372,7 +370,8 @@ def apply_in_block(
     return _straight_through(c, flat.at[stored].set(new, mode="drop").reshape(c.shape))
 
 
-def _spec_names(entry) -> tuple[str, ...]:
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one entry of a ``PartitionSpec`` splits its array axis over, major first."""
     if entry is None or entry is P.UNCONSTRAINED:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
@@ -391,7 +390,7 @@ def _explicit_spec(x: jax.Array) -> tuple | None:
     if spec is None or sharding.mesh.empty:
         return None
     spec = tuple(spec) + (None,) * (x.ndim - len(tuple(spec)))
-    if not any(_spec_names(entry) for entry in spec):
+    if not any(spec_axes(entry) for entry in spec):
         return None
     return spec
 

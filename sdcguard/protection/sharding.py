@@ -161,12 +161,6 @@ def _mesh_of(*xs):
     return None
 
 
-def _spec_axes(entry) -> tuple[str, ...]:
-    if entry is None or entry is P.UNCONSTRAINED:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _assign(op: _Op, specs, allowed) -> dict[str, tuple[str, ...]]:
     """Mesh axes of each letter of ``op``: the first operand's sharding of it, else the next's;
     each mesh axis used by one letter only (a conflicting operand is resharded to agree)."""
@@ -175,7 +169,7 @@ def _assign(op: _Op, specs, allowed) -> dict[str, tuple[str, ...]]:
     for term, spec in zip(op.terms, specs, strict=True):
         spec = tuple(spec) + (None,) * (len(term) - len(tuple(spec)))
         for letter, entry in zip(term, spec, strict=True):
-            axes = tuple(a for a in _spec_axes(entry) if a in allowed)
+            axes = tuple(a for a in inject.spec_axes(entry) if a in allowed)
             if letter in out or letter in op.whole or not axes or used & set(axes):
                 continue
             out[letter] = axes

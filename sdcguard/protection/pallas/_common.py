@@ -319,10 +319,13 @@ def check_tile(
         repaired = flagged & (by_col | by_row | one_row | one_col)
         # Inputs that define a non-finite line: no fault of this tile, nothing to repair here.
         upstream = jnp.sum(_i32(bad_row & ~jnp.isfinite(row_ref))) > 0
-        # NONFINITE_INPUT when upstream, else 0 or 1: max() over tiles keeps the upstream mark.
-        mark = jnp.where(upstream, NONFINITE_INPUT, _i32(flagged))
+
+        def uncorrected(unrepaired):
+            # NONFINITE_INPUT when upstream, else 0 or 1: max() over tiles keeps the mark.
+            return jnp.where(upstream, NONFINITE_INPUT, _i32(unrepaired))
+
         if not correct:
-            return c, _i32(flagged), mark
+            return c, _i32(flagged), uncorrected(flagged)
         fixed = jnp.where(located & by_col, (col_ref - rest_col)[None, :], c)
         fixed = jnp.where(located & by_row, (row_ref - rest_row)[:, None], fixed)
         # A whole bad row or column: recompute the tile and take that line from it. Nested in
@@ -332,7 +335,7 @@ def check_tile(
         fixed = jnp.where((br & one_row) | (bc & one_col), fresh, fixed)
         fixed = fixed.astype(out_dtype).astype(jnp.float32)
         fixed = jnp.where(upstream, c, fixed)
-        return fixed, _i32(flagged), jnp.where(upstream, NONFINITE_INPUT, _i32(flagged & ~repaired))
+        return fixed, _i32(flagged), uncorrected(flagged & ~repaired)
 
     def on_fault_(c, n_bad):
         del n_bad
