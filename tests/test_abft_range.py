@@ -17,7 +17,8 @@ from tolerances import TOLERANCES, assert_close
 
 from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.protection.abft import ABFTConfig, check_softmax_rows, checked_einsum, unsafe_checks
-from sdcguard.protection.checksums import _underflow_slack
+from sdcguard.protection.checksums import Contraction, underflow_slack
+from sdcguard.protection.pallas import flash, matmul
 
 SPEC = "bmk,bkn->bmn"
 SHAPES = ((2, 16, 32), (2, 32, 24))
@@ -41,6 +42,19 @@ def operands(dtype, log_a, log_b, seed):
 @jax.jit
 def _gemm(a, b, plan):
     return checked_einsum(SPEC, a, b, site=SITE, plan=plan)
+
+
+@jax.jit
+def _gemm_pallas(a, b, plan):
+    # The fused Pallas GEMM (checksums accumulated in the MMA loop, the verify kernels on the
+    # fault path), in interpret mode: the same numerics Triton compiles.
+    ct = Contraction.parse(SPEC, a.ndim, b.ndim)
+    return matmul.checked_contraction(
+        a, b, ct, config=ABFTConfig(), site=SITE, plan=plan, interpret=True
+    )
+
+
+GEMMS = {"xla": _gemm, "pallas": _gemm_pallas}
 
 
 def _scales(dtype):
@@ -69,7 +83,7 @@ def assert_corrected(out, clean, dtype, err_msg=""):
     zero near the bottom of float32's range (abft's underflow slack, lines of up to 32)."""
     scale = float(jnp.max(jnp.abs(clean.astype(jnp.float32))))
     rtol, _ = TOLERANCES[jnp.dtype(dtype)]
-    flushed = 32 * _underflow_slack(dtype, SHAPES[0][-1])
+    flushed = 32 * underflow_slack(dtype, SHAPES[0][-1])
     np.testing.assert_allclose(
         np.asarray(out, np.float32),
         np.asarray(clean, np.float32),
@@ -79,9 +93,11 @@ def assert_corrected(out, clean, dtype, err_msg=""):
     )
 
 
+@pytest.mark.parametrize("implementation", list(GEMMS))
 @pytest.mark.parametrize("dtype", list(RANGES), ids=lambda d: jnp.dtype(d).name)
-def test_whole_range_clean_never_alarms_and_every_extreme_fault_is_corrected(dtype):
+def test_whole_range_clean_never_alarms_and_every_extreme_fault_is_corrected(dtype, implementation):
     _, _, msb = RANGES[dtype]
+    gemm = GEMMS[implementation]
 
     @settings(max_examples=12, deadline=None, derandomize=True)
     @given(_scales(dtype))
@@ -91,12 +107,12 @@ def test_whole_range_clean_never_alarms_and_every_extreme_fault_is_corrected(dty
         clean = jnp.einsum(SPEC, a, b)
         if not bool(jnp.all(jnp.isfinite(clean))):
             return  # the product overflows: not this property (see the overflow test below)
-        out, counts = _gemm(a, b, FaultPlan.none())
+        out, counts = gemm(a, b, FaultPlan.none())
         np.testing.assert_array_equal(counts, [0, 0, 0, 0], err_msg=f"clean at {scales}")
         index = _large_element(clean)
         for kind in ("inf", "nan", "bitflip"):
             plan = FaultPlan.from_faults([Fault(site=SITE, kind=kind, index=index, bit=msb)])
-            out, counts = _gemm(a, b, plan)
+            out, counts = gemm(a, b, plan)
             np.testing.assert_array_equal(counts, [1, 1, 0, 0], err_msg=f"{kind} at {scales}")
             assert_corrected(out, clean, dtype, err_msg=f"{kind} at {scales}")
 
@@ -108,20 +124,47 @@ def test_whole_range_clean_never_alarms_and_every_extreme_fault_is_corrected(dty
     [(-20, 0), (-18, -19), (-30, 0), (19, 18), (18, 18)],
     ids=["1e-20x1", "1e-18x1e-19", "1e-30x1", "1e19x1e18", "1e18x1e18"],
 )
-def test_reported_magnitudes(log_a, log_b):
+@pytest.mark.parametrize("implementation", list(GEMMS))
+def test_reported_magnitudes(log_a, log_b, implementation):
     """The operand scales at which squared norms underflowed (false alarms) or overflowed
     (missed or mis-corrected faults)."""
+    gemm = GEMMS[implementation]
     a, b = operands(jnp.float32, log_a, log_b, seed=0)
     clean = jnp.einsum(SPEC, a, b)
-    _, counts = _gemm(a, b, FaultPlan.none())
+    _, counts = gemm(a, b, FaultPlan.none())
     np.testing.assert_array_equal(counts, [0, 0, 0, 0])
     for kind in ("inf", "bitflip"):
         plan = FaultPlan.from_faults(
             [Fault(site=SITE, kind=kind, index=_large_element(clean), bit=30)]
         )
-        out, counts = _gemm(a, b, plan)
+        out, counts = gemm(a, b, plan)
         np.testing.assert_array_equal(counts, [1, 1, 0, 0])
         assert_corrected(out, clean, jnp.float32, err_msg=kind)
+
+
+@pytest.mark.parametrize(
+    "log_q, log_k",
+    [(-20, 0), (-18, -19), (-30, 0), (19, 0), (18, 0), (0, 0)],
+    ids=["1e-20x1", "1e-18x1e-19", "1e-30x1", "1e19x1", "1e18x1", "1x1"],
+)
+def test_flash_tile_checks_hold_at_every_magnitude(log_q, log_k):
+    """The fused flash kernel checks each ``q·kᵀ`` tile in scaled arithmetic: no alarm on clean
+    scores at any magnitude, and an INF in one score is corrected to the clean output."""
+    kq, kk, kv = jax.random.split(jax.random.key(7), 3)
+    shape = (1, 16, 1, 16)
+    q = jax.random.normal(kq, shape) * 10.0**log_q
+    k = jax.random.normal(kk, shape) * 10.0**log_k
+    v = jax.random.normal(kv, shape)
+    config = ABFTConfig(backward=False)
+    run = jax.jit(
+        lambda plan: flash.flash_attention(q, k, v, config=config, plan=plan, interpret=True)
+    )
+    clean, counts = run(FaultPlan.none())
+    np.testing.assert_array_equal(counts, np.zeros_like(counts))
+    plan = FaultPlan.from_faults([Fault(site="attn:scores", kind="inf", index=3 * 16 + 5)])
+    out, counts = run(plan)
+    np.testing.assert_array_equal(counts[0], [1, 1, 0, 0])  # the scores row
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))
 
 
 def test_tiny_gradients_raise_no_alarm():

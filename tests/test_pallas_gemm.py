@@ -58,14 +58,22 @@ def test_verify_clean_never_alarms_and_sums_match(dtype):
     out, counts = _verify(c, a, b)
     assert counts.tolist() == [0, 0, 0, 0]
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(c, np.float32))
-    rows, cols = verify.line_sums(c, block_sizes=SMALL_VERIFY, interpret=True)
-    c32 = c.astype(jnp.float32)
-    np.testing.assert_allclose(rows, c32.sum(2), rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(cols, c32.sum(1), rtol=1e-5, atol=1e-4)
     ref = verify.encode(a, b)
+    # Both sides are in the scaled units of Checksums: a power of two per matrix.
+    row_scale, col_scale = ref.row_scale[:, None], ref.col_scale[:, None]
+    rows, cols = verify.line_sums(c, ref, block_sizes=SMALL_VERIFY, interpret=True)
+    c32 = c.astype(jnp.float32)
+    np.testing.assert_allclose(rows / row_scale, c32.sum(2), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(cols / col_scale, c32.sum(1), rtol=1e-5, atol=1e-4)
     c_ref = jnp.einsum("bmk,bkn->bmn", a.astype(jnp.float32), b.astype(jnp.float32))
-    np.testing.assert_allclose(ref.row, c_ref.sum(2), rtol=1e-4, atol=1e-3)
-    np.testing.assert_allclose(ref.col, c_ref.sum(1), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(ref.row / row_scale, c_ref.sum(2), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(ref.col / col_scale, c_ref.sum(1), rtol=1e-4, atol=1e-3)
+    # The scales are powers of two that bring the largest line sum of |B| (|A|) into [0.5, 1).
+    b_line = jnp.max(jnp.sum(jnp.abs(b.astype(jnp.float32)), axis=2), axis=1)
+    a_line = jnp.max(jnp.sum(jnp.abs(a.astype(jnp.float32)), axis=1), axis=1)
+    for line, scale in ((b_line, ref.row_scale), (a_line, ref.col_scale)):
+        assert bool(jnp.all((line * scale >= 0.5) & (line * scale < 1)))
+        np.testing.assert_array_equal(np.frexp(np.asarray(scale))[0], 0.5)
 
 
 def _patterns(c):

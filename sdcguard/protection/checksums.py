@@ -42,6 +42,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from sdcguard.in_place import apply_if
 from sdcguard.protection.config import ABFTConfig, count_outcomes, zero_counts
@@ -223,18 +224,28 @@ def products_as_dot(x_letters: str, ct: Contraction) -> bool:
     return len(ct.contracted) == 1 and batch_leads
 
 
-# Exponents of the power-of-two scales stay where 2**e and 2**-e are normal float32 numbers, so
-# a scale is never flushed to zero.
-_MAX_SCALE_EXPONENT = 126
+# Biased float32 exponents of the power-of-two scales: 2**e and 2**-e stay normal float32 numbers
+# (|e| <= 126), so a scale is never flushed to zero.
+_F32_MANTISSA_BITS = 23
+_MAX_BIASED_EXPONENT = 252  # e = 126 for the largest m
 
 
-def _power_of_two_below(m: jax.Array) -> jax.Array:
+def power_of_two_below(m: jax.Array) -> jax.Array:
     """``2**-e`` with ``m = f·2**e``, ``f ∈ [0.5, 1)``: ``m·2**-e ∈ [0.5, 1)``; 1 where ``m`` is 0
-    or not finite. Multiplying by it is exact (no mantissa bits change)."""
-    _, e = jnp.frexp(m)
-    e = jnp.clip(e, -_MAX_SCALE_EXPONENT, _MAX_SCALE_EXPONENT)
+    or not finite. Multiplying by it is exact (no mantissa bits change).
+
+    Read from the exponent bits of float32 ``m`` (integer shifts and a bitcast, no ``frexp``), so
+    the same function runs in XLA and inside Pallas kernels lowered through Triton. ``|e|`` is
+    clipped to 126, where ``2**e`` and ``2**-e`` are both normal.
+    """
+    m = jnp.asarray(m, jnp.float32)
+    biased = (lax.bitcast_convert_type(m, jnp.int32) >> _F32_MANTISSA_BITS) & 0xFF
+    # m ∈ [2**(E-127), 2**(E-126)) for biased exponent E, so e = E - 126 and 2**-e has biased
+    # exponent 253 - E; subnormal m (E = 0) get e = -126, as the clip of frexp's e would.
+    biased = jnp.minimum(biased, _MAX_BIASED_EXPONENT)
+    scale = lax.bitcast_convert_type((253 - biased) << _F32_MANTISSA_BITS, jnp.float32)
     usable = jnp.isfinite(m) & (m > 0)
-    return jnp.where(usable, jnp.ldexp(jnp.ones_like(m), -e), 1.0)
+    return jnp.where(usable, scale, jnp.ones_like(m))
 
 
 def _contract_with_line_sums(
@@ -282,7 +293,7 @@ def _contract_with_line_sums(
     # One power of two per matrix of the batch, from the largest |B|e of that matrix.
     batch_in_v = "".join(c for c in v_letters if c in ct.batch)
     w_max = jnp.max(w, axis=axes_of(v_letters, ct.contracted))
-    scale_v = _power_of_two_below(w_max)  # letters batch_in_v
+    scale_v = power_of_two_below(w_max)  # letters batch_in_v
     on_v = scale_v.reshape([w.shape[i] if c in ct.batch else 1 for i, c in enumerate(v_letters)])
     v = jnp.sum(other, axis=summed_axes) * on_v
     w = w * on_v
@@ -327,7 +338,7 @@ def _along(t: jax.Array, t_letters: str, letters: str, shape) -> jax.Array:
     return t.reshape([shape[i] if c in t_letters else 1 for i, c in enumerate(letters)])
 
 
-def _underflow_slack(out_dtype, contraction: int) -> float:
+def underflow_slack(out_dtype, contraction: int) -> float:
     """What flushing to zero can move one element of C by, whatever its magnitude.
 
     GEMM libraries flush subnormal products and partial sums to zero (XLA:CPU does:
@@ -395,7 +406,7 @@ def line_checksums(
         rounding = (u_out / (1 - u_out)) * jnp.sum(jnp.abs(c32), axis=summed_axes)
         # An INF in the line would make this bound INF too and hide itself.
         threshold += safety * jnp.where(jnp.isfinite(rounding), rounding, 0.0)
-    slack = line * _underflow_slack(c.dtype, k) * scale_on_line
+    slack = line * underflow_slack(c.dtype, k) * scale_on_line
     return LineChecksums(ref, jnp.abs(summed - ref), threshold + slack, scale)
 
 

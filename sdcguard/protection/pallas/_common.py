@@ -19,7 +19,7 @@ from jax import lax
 
 from sdcguard.fault_model import inject
 from sdcguard.fault_model.sites import NEAR_INF, FaultKind, site_id
-from sdcguard.protection.checksums import roundoff_gamma
+from sdcguard.protection.checksums import power_of_two_below, roundoff_gamma, underflow_slack
 from sdcguard.protection.config import count_outcomes
 
 _INTERPRET: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
@@ -252,7 +252,11 @@ def check_tile(
     Detection uses the row checksum ``c·e = a·(b·e)`` only, so the clean path costs two
     vector-matrix products and one row sum; the column checksum, location and correction run
     under ``lax.cond`` only when a row is flagged. Location and correction follow
-    :func:`sdcguard.protection.checksums.check_contraction` exactly, applied to the tile.
+    :func:`sdcguard.protection.checksums.check_contraction` exactly, applied to the tile, and
+    so does the arithmetic: each side's checksums are scaled by the power of two that brings
+    its largest line sum of ``|b|`` (``|a|``) to ``[0.5, 1)``, and the bound allows for
+    subnormal products flushed to zero, so the check holds for operands anywhere in float32's
+    finite range.
 
     Args:
       c: float32 ``[m, n]``: the produced tile (rounded to ``out_dtype``, faults injected).
@@ -279,22 +283,28 @@ def check_tile(
     gamma_col = roundoff_gamma(
         out_dtype=out_dtype, contraction=contraction, line=m, input_unit=input_unit, safety=safety
     )
-    b_rowsum = jnp.sum(b, axis=1)  # [k]
-    b_abs_rowsum = jnp.sum(jnp.abs(b), axis=1)
-    row_ref = jnp.sum(a * b_rowsum[None, :], axis=1)  # [m]
-    row_bound = jnp.sum(jnp.abs(a) * b_abs_rowsum[None, :], axis=1)
-    row_sum = jnp.sum(c, axis=1)
+    slack = underflow_slack(out_dtype, contraction)
+    b_abs_rowsum = jnp.sum(jnp.abs(b), axis=1)  # [k]
+    row_scale = power_of_two_below(jnp.max(b_abs_rowsum))
+    b_rowsum = jnp.sum(b, axis=1) * row_scale
+    row_ref = jnp.sum(a * b_rowsum[None, :], axis=1)  # [m], scaled
+    row_bound = jnp.sum(jnp.abs(a) * (b_abs_rowsum * row_scale)[None, :], axis=1)
+    # C is scaled before it is summed: a line of large finite values can overflow its sum.
+    row_sum = jnp.sum(c * row_scale, axis=1)
     # `not <=` so that NaN deviations are flagged too.
-    bad_row = ~(jnp.abs(row_sum - row_ref) <= gamma_row * row_bound)
+    row_threshold = gamma_row * row_bound + n * slack * row_scale
+    bad_row = ~(jnp.abs(row_sum - row_ref) <= row_threshold)
     n_bad_rows = jnp.sum(_i32(bad_row))
 
     def on_fault(c):
-        a_colsum = jnp.sum(a, axis=0)  # [k]
-        a_abs_colsum = jnp.sum(jnp.abs(a), axis=0)
-        col_ref = jnp.sum(a_colsum[:, None] * b, axis=0)  # [n]
-        col_bound = jnp.sum(a_abs_colsum[:, None] * jnp.abs(b), axis=0)
-        col_sum = jnp.sum(c, axis=0)
-        bad_col = ~(jnp.abs(col_sum - col_ref) <= gamma_col * col_bound)
+        a_abs_colsum = jnp.sum(jnp.abs(a), axis=0)  # [k]
+        col_scale = power_of_two_below(jnp.max(a_abs_colsum))
+        a_colsum = jnp.sum(a, axis=0) * col_scale
+        col_ref = jnp.sum(a_colsum[:, None] * b, axis=0)  # [n], scaled
+        col_bound = jnp.sum((a_abs_colsum * col_scale)[:, None] * jnp.abs(b), axis=0)
+        col_sum = jnp.sum(c * col_scale, axis=0)
+        col_threshold = gamma_col * col_bound + m * slack * col_scale
+        bad_col = ~(jnp.abs(col_sum - col_ref) <= col_threshold)
         br = bad_row[:, None]
         bc = bad_col[None, :]
         extreme = (~jnp.isfinite(c) | (jnp.abs(c) >= near_inf)) & (br | bc)
@@ -310,8 +320,8 @@ def check_tile(
         by_col = some & covered & (jnp.max(per_col) <= 1)
         by_row = some & covered & (jnp.max(per_row) <= 1) & ~by_col
         rest = jnp.where(located, 0.0, c)
-        rest_col = jnp.sum(rest, axis=0)
-        rest_row = jnp.sum(rest, axis=1)
+        rest_col = jnp.sum(rest * col_scale, axis=0)
+        rest_row = jnp.sum(rest * row_scale, axis=1)
         n_bad_cols = jnp.sum(_i32(bad_col))
         one_row = (n_bad_rows == 1) & ~by_col & ~by_row
         one_col = (n_bad_cols == 1) & ~by_col & ~by_row & ~one_row
@@ -326,8 +336,9 @@ def check_tile(
 
         if not correct:
             return c, _i32(flagged), uncorrected(flagged)
-        fixed = jnp.where(located & by_col, (col_ref - rest_col)[None, :], c)
-        fixed = jnp.where(located & by_row, (row_ref - rest_row)[:, None], fixed)
+        # Back from scaled units (exact: powers of two).
+        fixed = jnp.where(located & by_col, ((col_ref - rest_col) / col_scale)[None, :], c)
+        fixed = jnp.where(located & by_row, ((row_ref - rest_row) / row_scale)[:, None], fixed)
         # A whole bad row or column: recompute the tile and take that line from it. Nested in
         # its own cond so the second product only runs for 1D errors.
         need = one_row | one_col

@@ -84,7 +84,15 @@ def _matmul_kernel(
     check: bool,
     num_faults: int,
 ):
-    """One output tile: the MMA loop over K, with the checksum encoding riding along."""
+    """One output tile: the MMA loop over K, with the checksum encoding riding along.
+
+    With ``check``, the first two refs after ``a_ref, b_ref`` hold this matrix's row and column
+    scales (:func:`sdcguard.protection.pallas.verify.line_scales`, one element each): the
+    checksums are accumulated in those scaled units, so they stay normal float32 numbers for
+    operands anywhere in the finite range.
+    """
+    if check:
+        (row_scale_ref, col_scale_ref), rest = rest[:2], rest[2:]
     fault_refs = rest[:2] if num_faults else None
     out_refs = rest[2:] if num_faults else rest
     c_ref = out_refs[0]
@@ -93,6 +101,8 @@ def _matmul_kernel(
     cols = pl.program_id(2) * bn + jnp.arange(bn, dtype=jnp.int32)
     rv, cv = rows < m, cols < n
     f32 = jnp.float32
+    if check:
+        row_scale, col_scale = row_scale_ref[0], col_scale_ref[0]
 
     def body(step, carry):
         acc, row_ref, row_bnd, col_ref, col_bnd = carry
@@ -107,10 +117,14 @@ def _matmul_kernel(
             a32, b32 = a.astype(f32), b.astype(f32)
             a_abs, b_abs = jnp.abs(a32), jnp.abs(b32)
             # This tile's share of A(Be) and (eᵀA)B: vector-matrix products, O(1/n) of the MMA.
-            row_ref = row_ref + jnp.sum(a32 * jnp.sum(b32, axis=1)[None, :], axis=1)
-            row_bnd = row_bnd + jnp.sum(a_abs * jnp.sum(b_abs, axis=1)[None, :], axis=1)
-            col_ref = col_ref + jnp.sum(jnp.sum(a32, axis=0)[:, None] * b32, axis=0)
-            col_bnd = col_bnd + jnp.sum(jnp.sum(a_abs, axis=0)[:, None] * b_abs, axis=0)
+            b_rowsum = jnp.sum(b32, axis=1) * row_scale
+            b_abs_rowsum = jnp.sum(b_abs, axis=1) * row_scale
+            a_colsum = jnp.sum(a32, axis=0) * col_scale
+            a_abs_colsum = jnp.sum(a_abs, axis=0) * col_scale
+            row_ref = row_ref + jnp.sum(a32 * b_rowsum[None, :], axis=1)
+            row_bnd = row_bnd + jnp.sum(a_abs * b_abs_rowsum[None, :], axis=1)
+            col_ref = col_ref + jnp.sum(a_colsum[:, None] * b32, axis=0)
+            col_bnd = col_bnd + jnp.sum(a_abs_colsum[:, None] * b_abs, axis=0)
         return acc, row_ref, row_bnd, col_ref, col_bnd
 
     init = (
@@ -128,15 +142,17 @@ def _matmul_kernel(
     if check:
         rsum_ref, rref_ref, rbnd_ref, csum_ref, cref_ref, cbnd_ref = out_refs[1:]
         c32 = jnp.where(rv[:, None] & cv[None, :], c.astype(f32), 0.0)
-        plgpu.store(rsum_ref, jnp.sum(c32, axis=1), mask=rv)
+        # Scaled before summing, like the checksums: a line of large finite values can
+        # overflow its unscaled sum.
+        plgpu.store(rsum_ref, jnp.sum(c32 * row_scale, axis=1), mask=rv)
         plgpu.store(rref_ref, row_ref, mask=rv)
         plgpu.store(rbnd_ref, row_bnd, mask=rv)
-        plgpu.store(csum_ref, jnp.sum(c32, axis=0), mask=cv)
+        plgpu.store(csum_ref, jnp.sum(c32 * col_scale, axis=0), mask=cv)
         plgpu.store(cref_ref, col_ref, mask=cv)
         plgpu.store(cbnd_ref, col_bnd, mask=cv)
 
 
-def _gemm_call(a, b, table, *, out_dtype, precision, check, block_sizes, interpret):
+def _gemm_call(a, b, scales, table, *, out_dtype, precision, check, block_sizes, interpret):
     batch, m, k = a.shape
     n = b.shape[2]
     bm, bn, bk = block_sizes.block_m, block_sizes.block_n, block_sizes.block_k
@@ -148,6 +164,10 @@ def _gemm_call(a, b, table, *, out_dtype, precision, check, block_sizes, interpr
         pl.BlockSpec((None, kpad, bn), lambda bb, i, j: (bb, 0, j)),
     ]
     operands = [a, b]
+    if check:
+        # One element of each [batch] scale vector per program: its matrix's.
+        in_specs += [verify.scale_spec()] * 2
+        operands += list(scales)
     num_faults = 0
     if table is not None:
         in_specs += [
@@ -228,9 +248,11 @@ def checked_matmul(
         raise ValueError(f"operands must share a dtype, got {a.dtype} and {b.dtype}")
     interpret = resolve_interpret(interpret)
     out_dtype = jnp.dtype(out_dtype or a.dtype)
+    row_scale, col_scale = verify.line_scales(a, b) if check else (None, None)
     outs = _gemm_call(
         a,
         b,
+        (row_scale, col_scale),
         faults,
         out_dtype=out_dtype,
         precision=precision,
@@ -246,6 +268,8 @@ def checked_matmul(
         col_bound=jnp.sum(cbnd, axis=1),
         row=jnp.sum(rref, axis=1),
         row_bound=jnp.sum(rbnd, axis=1),
+        row_scale=row_scale,
+        col_scale=col_scale,
     )
     return verify.verify_and_correct(
         c,

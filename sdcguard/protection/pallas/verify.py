@@ -56,32 +56,68 @@ class BlockSizes:
 class Checksums(NamedTuple):
     """Reference checksums of ``C = A·B`` (float32), computed from the inputs only.
 
+    Everything is in *scaled* units, as in :class:`sdcguard.protection.checksums.LineChecksums`:
+    row checksums carry the power of two ``row_scale`` that brings ``max_k Σ_n |B|`` of their
+    matrix to ``[0.5, 1)``, column checksums ``col_scale`` for ``max_k Σ_m |A|``. The check then
+    stays inside float32's normal range for any finite operands whose product is finite
+    (operands of 1e-30 or 1e19 included); the line sums of ``C`` are multiplied by the same
+    scales (exact) before they are compared.
+
     Attributes:
-      col: ``[batch, N]``: ``(eᵀA)B``.
-      col_bound: ``[batch, N]``: ``(eᵀ|A|)|B|``.
-      row: ``[batch, M]``: ``A(Be)``.
-      row_bound: ``[batch, M]``: ``|A|(|B|e)``.
+      col: ``[batch, N]``: ``(eᵀA)B·col_scale``.
+      col_bound: ``[batch, N]``: ``(eᵀ|A|)|B|·col_scale``.
+      row: ``[batch, M]``: ``A(Be)·row_scale``.
+      row_bound: ``[batch, M]``: ``|A|(|B|e)·row_scale``.
+      row_scale: ``[batch]``: powers of two.
+      col_scale: ``[batch]``: powers of two.
     """
 
     col: jax.Array
     col_bound: jax.Array
     row: jax.Array
     row_bound: jax.Array
+    row_scale: jax.Array
+    col_scale: jax.Array
+
+
+def line_scales(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(row_scale, col_scale)``, float32 ``[batch]``: the powers of two of :class:`Checksums`
+    for ``a: [batch, M, K]``, ``b: [batch, K, N]`` (one read of each operand)."""
+    b_abs_rowsum = jnp.sum(jnp.abs(b.astype(jnp.float32)), axis=2)  # [batch, K]
+    a_abs_colsum = jnp.sum(jnp.abs(a.astype(jnp.float32)), axis=1)  # [batch, K]
+    return (
+        checksums.power_of_two_below(jnp.max(b_abs_rowsum, axis=1)),
+        checksums.power_of_two_below(jnp.max(a_abs_colsum, axis=1)),
+    )
 
 
 def encode(a: jax.Array, b: jax.Array) -> Checksums:
     """Reference checksums of ``a @ b`` for ``a: [batch, M, K]``, ``b: [batch, K, N]``.
 
     Vector-matrix products only (O(1/n) of the GEMM): the column sums of ``A`` times ``B`` and
-    ``A`` times the row sums of ``B``, in float32 at highest precision.
+    ``A`` times the row sums of ``B``, scaled (see :class:`Checksums`), in float32 at highest
+    precision.
     """
     a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+    row_scale, col_scale = line_scales(a32, b32)
+    on_k_row, on_k_col = row_scale[:, None], col_scale[:, None]
     hi = jax.lax.Precision.HIGHEST
-    col = jnp.einsum("bk,bkn->bn", jnp.sum(a32, axis=1), b32, precision=hi)
-    col_bound = jnp.einsum("bk,bkn->bn", jnp.sum(jnp.abs(a32), axis=1), jnp.abs(b32), precision=hi)
-    row = jnp.einsum("bmk,bk->bm", a32, jnp.sum(b32, axis=2), precision=hi)
-    row_bound = jnp.einsum("bmk,bk->bm", jnp.abs(a32), jnp.sum(jnp.abs(b32), axis=2), precision=hi)
-    return Checksums(col, col_bound, row, row_bound)
+    a_colsum, a_abs_colsum = (
+        jnp.sum(a32, axis=1) * on_k_col,
+        jnp.sum(jnp.abs(a32), axis=1) * on_k_col,
+    )
+    b_rowsum, b_abs_rowsum = (
+        jnp.sum(b32, axis=2) * on_k_row,
+        jnp.sum(jnp.abs(b32), axis=2) * on_k_row,
+    )
+    return Checksums(
+        col=jnp.einsum("bk,bkn->bn", a_colsum, b32, precision=hi),
+        col_bound=jnp.einsum("bk,bkn->bn", a_abs_colsum, jnp.abs(b32), precision=hi),
+        row=jnp.einsum("bmk,bk->bm", a32, b_rowsum, precision=hi),
+        row_bound=jnp.einsum("bmk,bk->bm", jnp.abs(a32), b_abs_rowsum, precision=hi),
+        row_scale=row_scale,
+        col_scale=col_scale,
+    )
 
 
 # --- Kernels -----------------------------------------------------------------------------------
@@ -94,12 +130,13 @@ def _tile_ids(m: int, n: int, bm: int, bn: int):
     return rows, cols, rows < m, cols < n
 
 
-def _sums_kernel(c_ref, rowpart_ref, colpart_ref, *, m, n, bm, bn):
-    """Partial row and column sums of one tile of ``C`` (the whole clean path)."""
+def _sums_kernel(c_ref, row_scale_ref, col_scale_ref, rowpart_ref, colpart_ref, *, m, n, bm, bn):
+    """Partial row and column sums of one tile of ``C`` (the whole clean path), scaled."""
     _, _, rv, cv = _tile_ids(m, n, bm, bn)
     c = plgpu.load(c_ref, mask=rv[:, None] & cv[None, :], other=0).astype(jnp.float32)
-    plgpu.store(rowpart_ref, jnp.sum(c, axis=1), mask=rv)
-    plgpu.store(colpart_ref, jnp.sum(c, axis=0), mask=cv)
+    # Scaled before summing: a line of large finite values can overflow its unscaled sum.
+    plgpu.store(rowpart_ref, jnp.sum(c * row_scale_ref[0], axis=1), mask=rv)
+    plgpu.store(colpart_ref, jnp.sum(c * col_scale_ref[0], axis=0), mask=cv)
 
 
 def _located(c, br, bc, near_inf):
@@ -110,9 +147,23 @@ def _located(c, br, bc, near_inf):
 
 
 def _locate_kernel(
-    c_ref, br_ref, bc_ref, nrow_ref, ncol_ref, rrow_ref, rcol_ref, *, m, n, bm, bn, near_inf
+    c_ref,
+    br_ref,
+    bc_ref,
+    row_scale_ref,
+    col_scale_ref,
+    nrow_ref,
+    ncol_ref,
+    rrow_ref,
+    rcol_ref,
+    *,
+    m,
+    n,
+    bm,
+    bn,
+    near_inf,
 ):
-    """Per tile: located elements per row/column and the sums of the rest of each line."""
+    """Per tile: located elements per row/column and the scaled sums of the rest of each line."""
     _, _, rv, cv = _tile_ids(m, n, bm, bn)
     valid = rv[:, None] & cv[None, :]
     c = plgpu.load(c_ref, mask=valid, other=0).astype(jnp.float32)
@@ -123,8 +174,8 @@ def _locate_kernel(
     rest = jnp.where(located, 0.0, c)
     plgpu.store(nrow_ref, jnp.sum(loc, axis=1), mask=rv)
     plgpu.store(ncol_ref, jnp.sum(loc, axis=0), mask=cv)
-    plgpu.store(rrow_ref, jnp.sum(rest, axis=1), mask=rv)
-    plgpu.store(rcol_ref, jnp.sum(rest, axis=0), mask=cv)
+    plgpu.store(rrow_ref, jnp.sum(rest * row_scale_ref[0], axis=1), mask=rv)
+    plgpu.store(rcol_ref, jnp.sum(rest * col_scale_ref[0], axis=0), mask=cv)
 
 
 # Bits of the per-line action flags passed to the apply kernel.
@@ -180,6 +231,11 @@ def _col_spec(bn):  # a [batch, N] vector, tiled along N
     return pl.BlockSpec((None, bn), lambda b, i, j: (b, j))
 
 
+def scale_spec():
+    """A ``[batch]`` vector of per-matrix scales: one element per program, its matrix's."""
+    return pl.BlockSpec((1,), lambda b, i, j: (b,))
+
+
 def _rowpart_spec(bm):  # [batch, nJ, M]: one partial per column tile
     return pl.BlockSpec((None, None, bm), lambda b, i, j: (b, j, i))
 
@@ -193,15 +249,16 @@ def _grid(shape, bs: BlockSizes):
     return (batch, cdiv(m, bs.block_m), cdiv(n, bs.block_n))
 
 
-def line_sums(c: jax.Array, *, block_sizes: BlockSizes, interpret: bool):
-    """Row sums ``[batch, M]`` and column sums ``[batch, N]`` of ``c`` in one tiled pass."""
+def line_sums(c: jax.Array, sums: Checksums, *, block_sizes: BlockSizes, interpret: bool):
+    """Row sums ``[batch, M]`` and column sums ``[batch, N]`` of ``c`` in one tiled pass, scaled
+    by ``sums.row_scale`` and ``sums.col_scale``."""
     batch, m, n = c.shape
     bm, bn = block_sizes.block_m, block_sizes.block_n
     grid = _grid(c.shape, block_sizes)
     rowpart, colpart = pl.pallas_call(
         functools.partial(_sums_kernel, m=m, n=n, bm=bm, bn=bn),
         grid=grid,
-        in_specs=[_tile_spec(bm, bn)],
+        in_specs=[_tile_spec(bm, bn), scale_spec(), scale_spec()],
         out_specs=[_rowpart_spec(bm), _colpart_spec(bn)],
         out_shape=[
             jax.ShapeDtypeStruct((batch, grid[2], m), jnp.float32),
@@ -210,14 +267,19 @@ def line_sums(c: jax.Array, *, block_sizes: BlockSizes, interpret: bool):
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         name="abft_line_sums",
-    )(c)
+    )(c, sums.row_scale, sums.col_scale)
     return jnp.sum(rowpart, axis=1), jnp.sum(colpart, axis=1)
 
 
 def flag_lines(
     row_sum, col_sum, sums: Checksums, *, out_dtype, k: int, input_unit: float, safety: float
 ):
-    """Flags rows ``[batch, M]`` and columns ``[batch, N]`` whose sums leave the round-off bound."""
+    """Flags rows ``[batch, M]`` and columns ``[batch, N]`` whose sums leave the round-off bound.
+
+    ``row_sum`` and ``col_sum`` are the line sums of ``C``, scaled like ``sums`` (as
+    :func:`line_sums` gives them). The bound is γ times the line's ``|A||B|e`` plus what flushing
+    subnormal products to zero can move the line by (as in the XLA path).
+    """
     m, n = row_sum.shape[-1], col_sum.shape[-1]
     gamma_col = roundoff_gamma(
         out_dtype=out_dtype, contraction=k, line=m, input_unit=input_unit, safety=safety
@@ -225,9 +287,13 @@ def flag_lines(
     gamma_row = roundoff_gamma(
         out_dtype=out_dtype, contraction=k, line=n, input_unit=input_unit, safety=safety
     )
+    row_scale, col_scale = sums.row_scale[:, None], sums.col_scale[:, None]
+    slack = checksums.underflow_slack(out_dtype, k)
+    col_threshold = gamma_col * sums.col_bound + m * slack * col_scale
+    row_threshold = gamma_row * sums.row_bound + n * slack * row_scale
     # `not <=` so that NaN deviations are flagged too.
-    bad_col = ~(jnp.abs(col_sum - sums.col) <= gamma_col * sums.col_bound)
-    bad_row = ~(jnp.abs(row_sum - sums.row) <= gamma_row * sums.row_bound)
+    bad_col = ~(jnp.abs(col_sum - sums.col) <= col_threshold)
+    bad_row = ~(jnp.abs(row_sum - sums.row) <= row_threshold)
     return bad_row, bad_col
 
 
@@ -264,7 +330,7 @@ def locate_and_correct(
     nrow, ncol, rrow, rcol = pl.pallas_call(
         functools.partial(_locate_kernel, m=m, n=n, bm=bm, bn=bn, near_inf=near_inf),
         grid=grid,
-        in_specs=[_tile_spec(bm, bn), _row_spec(bm), _col_spec(bn)],
+        in_specs=[_tile_spec(bm, bn), _row_spec(bm), _col_spec(bn), scale_spec(), scale_spec()],
         out_specs=[_rowpart_spec(bm), _colpart_spec(bn), _rowpart_spec(bm), _colpart_spec(bn)],
         out_shape=[
             jax.ShapeDtypeStruct((batch, grid[2], m), jnp.int32),
@@ -275,7 +341,7 @@ def locate_and_correct(
         interpret=interpret,
         compiler_params=params,
         name="abft_locate",
-    )(c, br_i, bc_i)
+    )(c, br_i, bc_i, sums.row_scale, sums.col_scale)
     per_row, per_col = jnp.sum(nrow, axis=1), jnp.sum(ncol, axis=1)
     rest_row, rest_col = jnp.sum(rrow, axis=1), jnp.sum(rcol, axis=1)
 
@@ -336,7 +402,16 @@ def locate_and_correct(
         interpret=interpret,
         compiler_params=params,
         name="abft_apply",
-    )(c, rflag, cflag, sums.row - rest_row, sums.col - rest_col, new_row, new_col)
+    )(
+        c,
+        rflag,
+        cflag,
+        # Back from the scaled units of the checksums (exact: powers of two).
+        (sums.row - rest_row) / sums.row_scale[:, None],
+        (sums.col - rest_col) / sums.col_scale[:, None],
+        new_row,
+        new_col,
+    )
     return fixed, counts.astype(jnp.int32)
 
 
@@ -361,7 +436,8 @@ def verify_and_correct(
       a: ``[batch, M, K]``; b: ``[batch, K, N]``: the GEMM's inputs (read only on the fault
         path, to recompute a whole bad row or column).
       checksums: reference checksums; computed with :func:`encode` when None.
-      line_sums_of_c: precomputed ``(row sums [batch, M], column sums [batch, N])`` of ``c``
+      line_sums_of_c: precomputed ``(row sums [batch, M], column sums [batch, N])`` of ``c``,
+        scaled as ``checksums``
         (e.g. from :func:`sdcguard.protection.pallas.matmul.checked_matmul`), skipping the read of
         ``c``.
       correct: repair located errors (else detect only; detections count as uncorrectable).
@@ -387,7 +463,7 @@ def verify_and_correct(
     interpret = resolve_interpret(interpret)
     sums = encode(a, b) if checksums is None else checksums
     if line_sums_of_c is None:
-        row_sum, col_sum = line_sums(c, block_sizes=block_sizes, interpret=interpret)
+        row_sum, col_sum = line_sums(c, sums, block_sizes=block_sizes, interpret=interpret)
     else:
         row_sum, col_sum = line_sums_of_c
     bad_row, bad_col = flag_lines(
