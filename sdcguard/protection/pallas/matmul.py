@@ -240,7 +240,8 @@ def checked_matmul(
       interpret: interpret mode (default: when not on a GPU).
 
     Returns:
-      ``(c, counts)``: ``c [batch, M, N]`` and int32 ``[detected, corrected, uncorrectable]``.
+      ``(c, counts)``: ``c [batch, M, N]`` and int32 ``[detected, corrected, uncorrectable,
+      nonfinite_input]``.
     """
     if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(f"checked_matmul wants [B, M, K] x [B, K, N], got {a.shape}, {b.shape}")

@@ -449,7 +449,7 @@ def verify_and_correct(
 
     Returns:
       ``(c_checked, counts)``: ``c`` with located errors corrected (unchanged when clean) and
-      int32 ``[detected, corrected, uncorrectable]`` over the batch of matrices.
+      int32 ``[detected, corrected, uncorrectable, nonfinite_input]`` over the batch of matrices.
     """
     if c.ndim != 3 or a.ndim != 3 or b.ndim != 3:
         raise ValueError(
