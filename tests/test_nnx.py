@@ -64,7 +64,8 @@ def test_parity_with_flax(make_kwargs, call_kwargs):
     model_flax = TwoLayers(nnx.Rngs(0), **make_kwargs)
     model_ours = snnx.protect(TwoLayers(nnx.Rngs(0), **make_kwargs))
     x = x_input()
-    none = FaultPlan.from_faults([], capacity=1)
+    # Capacity 2, the plans of test_forward_and_backward_counters: the same compiled step.
+    none = FaultPlan.from_faults([], capacity=2)
     out_f = nnx.jit(lambda m, x: m(x, **call))(model_flax, x)
     out_o = nnx.jit(lambda m, x: m(x, **call))(model_ours, x)
     assert_close(out_o, out_f, jnp.float32, PARITY)
@@ -91,7 +92,7 @@ def test_protect_shares_parameters_and_swaps_in_place():
 def test_forward_and_backward_counters():
     model = snnx.protect(TwoLayers(nnx.Rngs(0), num_kv_heads=2))
     x = x_input()
-    _, clean = grads(model, x, FaultPlan.from_faults([], capacity=2))
+    _, clean = grads(model, x, FaultPlan.from_faults([], capacity=2), None)
     snnx.reset_stats(model)
     plan = FaultPlan.from_faults(
         [
@@ -99,7 +100,7 @@ def test_forward_and_backward_counters():
             Fault(site="blocks/0:value.grad_rhs", kind="nan", index=5),
         ]
     )
-    _, g = grads(model, x, plan)
+    _, g = grads(model, x, plan, None)
     fwd = {k: v.tolist() for k, v in snnx.sdc_stats(model).items() if v.any()}
     bwd = {k: v.tolist() for k, v in snnx.backward_stats(model, g).items() if v.any()}
     assert fwd == {"blocks/1:scores": [1, 1, 0, 0]}
@@ -119,6 +120,13 @@ def test_decode_cache_parity():
     for layer in (flax_layer, ours):
         layer.init_cache((BATCH, LENGTH, FEATURES))
     x = x_input()
+    # Under nnx.jit (the cache is updated through the module's state): eager, every op of
+    # the checks would be dispatched on its own.
+    decode = nnx.jit(lambda layer, token: layer(token))
     for t in range(3):
         token = x[:, t : t + 1]
-        np.testing.assert_allclose(ours(token), flax_layer(token), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            decode(ours, token), decode(flax_layer, token), rtol=1e-5, atol=1e-6
+        )
+    # The caches advanced in both layers.
+    assert int(ours.cache_index[...]) == int(flax_layer.cache_index[...]) == 3

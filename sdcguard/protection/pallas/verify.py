@@ -11,6 +11,11 @@ rest per line, :func:`_locate_kernel`) and one that writes the corrections in pl
 with the XLA path; :func:`verify_and_correct_reference` is that XLA path on the same canonical
 layout.
 
+Why one module: the three kernels, the scaled checksums they compare against and the per-matrix
+decisions between them are one check; the decisions must stay those of
+:func:`sdcguard.protection.checksums.check_contraction`, and the units (the scales) must agree
+between the encoder, the kernels and the comparison, which is easiest to see in one file.
+
 Example:
   >>> sums = encode(a, b)
   >>> c_fixed, counts = verify_and_correct(c, a, b, checksums=sums, interpret=True)
