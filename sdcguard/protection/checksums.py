@@ -224,10 +224,9 @@ def products_as_dot(x_letters: str, ct: Contraction) -> bool:
     XLA:CPU runs a matrix-vector dot fast only as a plain batched GEMV: x's batch axes leading
     and one contracted axis. Contracted axes that are adjacent in ``x`` (a projection's heads and
     head_dim, a weight gradient's batch and sequence) are merged into one by a reshape, which
-    costs nothing; then the GEMV beats the elementwise product and reduction 2.5-3.5x on the
-    LM's projections and weight gradients. Contracted axes that are not adjacent would need a
-    transpose of ``x``, and as a dot over several axes XLA:CPU is 1.6-3x slower than the product
-    and reduction, which it fuses into one pass over ``x``
+    costs nothing, and the GEMV beats the elementwise product and reduction. Contracted axes
+    that are not adjacent would need a transpose of ``x``, and as a dot over several axes
+    XLA:CPU is slower than the product and reduction, which it fuses into one pass over ``x``
     (``scripts/bench_checksum_products.py`` times both).
     """
     batch_leads = x_letters.startswith("".join(c for c in x_letters if c in ct.batch))
