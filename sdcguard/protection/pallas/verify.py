@@ -85,15 +85,22 @@ class Checksums(NamedTuple):
     col_scale: jax.Array
 
 
-def line_scales(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(row_scale, col_scale)``, float32 ``[batch]``: the powers of two of :class:`Checksums`
-    for ``a: [batch, M, K]``, ``b: [batch, K, N]`` (one read of each operand)."""
-    b_abs_rowsum = jnp.sum(jnp.abs(b.astype(jnp.float32)), axis=2)  # [batch, K]
-    a_abs_colsum = jnp.sum(jnp.abs(a.astype(jnp.float32)), axis=1)  # [batch, K]
+def _abs_line_sums(a32, b32):
+    """``(Σ_n |B|, Σ_m |A|)``, each ``[batch, K]``: what the scales and the bounds are made of."""
+    return jnp.sum(jnp.abs(b32), axis=2), jnp.sum(jnp.abs(a32), axis=1)
+
+
+def _scales_of(b_abs_rowsum, a_abs_colsum):
     return (
         checksums.power_of_two_below(jnp.max(b_abs_rowsum, axis=1)),
         checksums.power_of_two_below(jnp.max(a_abs_colsum, axis=1)),
     )
+
+
+def line_scales(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(row_scale, col_scale)``, float32 ``[batch]``: the powers of two of :class:`Checksums`
+    for ``a: [batch, M, K]``, ``b: [batch, K, N]`` (one read of each operand)."""
+    return _scales_of(*_abs_line_sums(a.astype(jnp.float32), b.astype(jnp.float32)))
 
 
 def encode(a: jax.Array, b: jax.Array) -> Checksums:
@@ -104,22 +111,17 @@ def encode(a: jax.Array, b: jax.Array) -> Checksums:
     precision.
     """
     a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
-    row_scale, col_scale = line_scales(a32, b32)
+    b_abs_rowsum, a_abs_colsum = _abs_line_sums(a32, b32)  # one pass each, for scales and bounds
+    row_scale, col_scale = _scales_of(b_abs_rowsum, a_abs_colsum)
     on_k_row, on_k_col = row_scale[:, None], col_scale[:, None]
     hi = jax.lax.Precision.HIGHEST
-    a_colsum, a_abs_colsum = (
-        jnp.sum(a32, axis=1) * on_k_col,
-        jnp.sum(jnp.abs(a32), axis=1) * on_k_col,
-    )
-    b_rowsum, b_abs_rowsum = (
-        jnp.sum(b32, axis=2) * on_k_row,
-        jnp.sum(jnp.abs(b32), axis=2) * on_k_row,
-    )
+    a_colsum = jnp.sum(a32, axis=1) * on_k_col
+    b_rowsum = jnp.sum(b32, axis=2) * on_k_row
     return Checksums(
         col=jnp.einsum("bk,bkn->bn", a_colsum, b32, precision=hi),
-        col_bound=jnp.einsum("bk,bkn->bn", a_abs_colsum, jnp.abs(b32), precision=hi),
+        col_bound=jnp.einsum("bk,bkn->bn", a_abs_colsum * on_k_col, jnp.abs(b32), precision=hi),
         row=jnp.einsum("bmk,bk->bm", a32, b_rowsum, precision=hi),
-        row_bound=jnp.einsum("bmk,bk->bm", jnp.abs(a32), b_abs_rowsum, precision=hi),
+        row_bound=jnp.einsum("bmk,bk->bm", jnp.abs(a32), b_abs_rowsum * on_k_row, precision=hi),
         row_scale=row_scale,
         col_scale=col_scale,
     )
