@@ -163,6 +163,35 @@ def test_nonfinite_update_from_finite_gradients_is_refused():
     assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("size", [1_000, 600_000], ids=["flattened", "per_leaf"])
+def test_updates_pass_through_bit_for_bit_in_their_dtype_or_are_zeroed(size, dtype):
+    """Small float trees are checked and held through one flat float32 copy, big ones leaf by
+    leaf: either way an accepted update is the inner one bit for bit, in its own dtype (an int
+    leaf among them included), and a refused one is zeros of that dtype."""
+    params = {
+        "a": jnp.linspace(-1, 1, size).astype(dtype),
+        "b": jnp.full((3, 5), 0.25, dtype),
+        "steps": jnp.arange(4, dtype=jnp.int32),
+    }
+    inner = optax.GradientTransformation(
+        lambda p: optax.EmptyState(),
+        lambda u, s, p=None: (jax.tree.map(lambda x: x * 3 if x.dtype != jnp.int32 else x, u), s),
+    )
+    tx = refuse_corrupted(inner)
+    for with_int in (False, True):
+        tree = params if with_int else {k: v for k, v in params.items() if k != "steps"}
+        expected, _ = inner.update(tree, optax.EmptyState())
+        updates, state = jax.jit(tx.update)(tree, tx.init(tree), tree)
+        assert int(state.reason) == 0
+        assert_trees_equal(updates, expected)
+        bad = {**tree, "b": tree["b"].at[1, 2].set(jnp.inf)}
+        updates, state = jax.jit(tx.update)(bad, tx.init(tree), tree)
+        assert reason_names(state.reason) == ("nonfinite",)
+        for u, x in zip(jax.tree.leaves(updates), jax.tree.leaves(tree), strict=True):
+            assert u.dtype == x.dtype and not np.any(np.asarray(u, np.float32))
+
+
 @pytest.mark.parametrize("size", [1_000, 600_000], ids=["flattened", "per_leaf"])
 def test_norm_and_finiteness_agree_on_small_and_big_trees(size):
     """Small trees are reduced flattened, big ones leaf by leaf: both give the same verdicts."""

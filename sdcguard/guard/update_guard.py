@@ -582,17 +582,65 @@ def _global_norm(tree) -> jax.Array:
     return jnp.sqrt(_squares(jax.tree.leaves(tree)))
 
 
+def _held_updates(proposed, *, checked: bool):
+    """The sum of squares of ``proposed`` and a way to hold them back: ``(squares, unless)``.
+
+    ``squares`` is the float32 sum of squares of every element (finite exactly when the
+    updates are, see :func:`_squares`; None when not ``checked``); ``unless(hold)`` returns
+    ``proposed``, or zeros where ``hold``. On a small tree of float leaves both read one flat
+    float32 copy: the select in the caller's ``apply_updates`` then reads slices of the copy
+    the reduction reads. Selected leaf by leaf, every update leaf was also written out a
+    second time, flattened for the reduction: a fusion per leaf, which on a small model costs
+    more than the arithmetic (scripts/bench_guard.py). The copy is exact: only float leaves
+    of at most 32 bits take that path, and only leaves that ``shard_map`` types alike.
+    """
+    leaves, treedef = jax.tree.flatten(proposed)
+    flat_path = (
+        checked
+        and leaves
+        and sum(x.size for x in leaves) <= _FLATTEN_BELOW
+        and all(jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize <= 4 for x in leaves)
+        # Inside shard_map, slices of one flat copy would all vary over the axes any leaf
+        # varies over: a replicated update would come back typed as varying.
+        and len({_varying_axes(x) for x in leaves}) == 1
+    )
+    if not flat_path:
+
+        def unless_leafwise(hold):
+            zeros = optax.tree_utils.tree_zeros_like(proposed)
+            return optax.tree_utils.tree_where(hold, zeros, proposed)
+
+        return (_squares(leaves) if checked else None), unless_leafwise
+
+    flat = _flat(leaves)
+
+    def unless_flat(hold):
+        kept = jnp.where(hold, jnp.float32(0), flat)
+        out, offset = [], 0
+        for x in leaves:
+            out.append(kept[offset : offset + x.size].reshape(x.shape).astype(x.dtype))
+            offset += x.size
+        return jax.tree.unflatten(treedef, out)
+
+    return _sum_of_squares(flat), unless_flat
+
+
 def _axis_names(axis_name) -> tuple:
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
-def _varies(x, axis_name) -> bool:
-    """Whether ``shard_map`` types ``x`` as varying over ``axis_name`` (False where untyped)."""
+def _varying_axes(x) -> frozenset:
+    """The mesh axes ``shard_map`` types ``x`` as varying over (empty where untyped)."""
     aval = jax.typeof(x)
     vma = getattr(aval, "vma", None)
     if vma is None:
         vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return any(name in vma for name in _axis_names(axis_name))
+    return frozenset(vma)
+
+
+def _varies(x, axis_name) -> bool:
+    """Whether ``shard_map`` types ``x`` as varying over ``axis_name`` (False where untyped)."""
+    return any(name in _varying_axes(x) for name in _axis_names(axis_name))
 
 
 def _sharded_leaves(leaves, config: GuardConfig) -> list[bool]:
@@ -814,11 +862,12 @@ def refuse_corrupted(
         x = jnp.stack([jnp.log(grad_norm), observed[1]])
         used = jnp.asarray([True, loss is not None])
 
+        update_squares, unless_held = _held_updates(proposed, checked=config.check_nonfinite)
         reason = jnp.int32(0)
         if config.check_nonfinite:
             # A NaN or Inf makes a norm non-finite (so does a gradient or update beyond 1e19,
             # which float32 squares to Inf: corrupt just the same).
-            finite = jnp.isfinite(grad_norm) & jnp.isfinite(_global_norm(proposed))
+            finite = jnp.isfinite(grad_norm) & jnp.isfinite(update_squares)
             if loss is not None:
                 finite &= jnp.isfinite(loss)
             reason |= _flag(~finite, Reason.NONFINITE)
@@ -863,9 +912,7 @@ def refuse_corrupted(
 
         # A select, not _unless: XLA fuses it into the caller's apply_updates, and the sums
         # stay bit-identical to the unguarded step's (through the loop they differed by an ulp).
-        out_updates = optax.tree_utils.tree_where(
-            hold, optax.tree_utils.tree_zeros_like(proposed), proposed
-        )
+        out_updates = unless_held(hold)
         inner_state = _unless(hold, new_inner_state, state.inner_state)
 
         # Statistics: what was accepted (a real spike too), never what was refused.
