@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -743,3 +744,62 @@ def test_pmap_guard_state_reads_back_in_every_reader_on_8_devices():
         "majority (the same on 8 replicas)"
     )
     assert bool(optax.tree_utils.tree_get(states, "rollback_needed").any()) is False
+
+
+def _collectives(compiled_text: str) -> dict[str, int]:
+    ops = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+    return {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", compiled_text)) for op in ops}
+
+
+@needs_8
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_guard_under_jit_with_fsdp_sharded_parameters_on_8_devices(axis_type):
+    """Under jit over 8 devices with parameters sharded FSDP-style (weights over the data axis,
+    biases replicated), the guard adds one all-reduce (its norms) and nothing else: no leaf is
+    gathered to flatten the tree. A clean step equals Adam's bit for bit; a NaN gradient is
+    refused on every device with the parameters left as they were."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+    specs = {"w1": P("data"), "b1": P(), "w2": P("data"), "b2": P()}
+    shapes = {"w1": (16, 32), "b1": (32,), "w2": (32, 16), "b2": (16,)}
+    keys = dict(zip(shapes, jax.random.split(jax.random.key(0), 4), strict=True))
+    params = {
+        k: jax.device_put(0.1 * jax.random.normal(keys[k], s), NamedSharding(mesh, specs[k]))
+        for k, s in shapes.items()
+    }
+    x = jax.device_put(jnp.linspace(-1, 1, 64 * 16).reshape(64, 16), NamedSharding(mesh, P("data")))
+
+    def loss_fn(p, x):
+        return jnp.mean((jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]) ** 2)
+
+    def make_step(tx, guarded):
+        def step(p, s, x, poison):
+            loss, g = jax.value_and_grad(loss_fn)(p, x)
+            g = {**g, "b2": g["b2"] * poison}
+            u, s = tx.update(g, s, p, **({"loss": loss} if guarded else {}))
+            return optax.apply_updates(p, u), s
+
+        return jax.jit(step), tx.init(params)
+
+    plain, plain_state = make_step(optax.adam(1e-2), guarded=False)
+    guarded, guard_state = make_step(refuse_corrupted(optax.adam(1e-2)), guarded=True)
+    one = jnp.float32(1.0)
+    counts = {
+        name: _collectives(step.lower(params, state, x, one).compile().as_text())
+        for name, (step, state) in {
+            "plain": (plain, plain_state),
+            "guarded": (guarded, guard_state),
+        }.items()
+    }
+    added = {op: counts["guarded"][op] - counts["plain"][op] for op in counts["plain"]}
+    assert added == {**dict.fromkeys(added, 0), "all-reduce": 1}, counts
+
+    expected, _ = plain(params, plain_state, x, one)
+    new_params, state = guarded(params, guard_state, x, one)
+    assert int(state.reason) == 0
+    assert_trees_equal(new_params, expected)
+    new_params, state = guarded(params, guard_state, x, jnp.float32(jnp.nan))
+    assert reason_names(state.reason) == ("nonfinite",)
+    assert_trees_equal(new_params, params)

@@ -564,6 +564,32 @@ def _flat(leaves) -> jax.Array:
 _FLATTEN_BELOW = 1 << 19
 
 
+def _traced_whole_on_one_device(x) -> bool:
+    """Whether ``x`` is traced as a block that one device holds whole.
+
+    True in a one-device program and inside ``shard_map`` over every mesh axis (each device
+    traces its own block). Under ``jit`` over several devices a leaf may be sharded, in its
+    type (explicit axes) or by the partitioner (automatic axes, invisible here), and under
+    ``pmap`` nothing says; there a concatenation of leaves sharded differently is an error, or
+    gathers every leaf onto every device.
+    """
+    if jax.device_count() == 1:
+        return True
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    axis_types = getattr(mesh, "axis_types", ())
+    return bool(axis_types) and all(t == jax.sharding.AxisType.Manual for t in axis_types)
+
+
+def _flattenable(leaves) -> bool:
+    """Whether one reduction over a flat copy of ``leaves`` is the cheaper norm (see above),
+    and a copy that moves no data between devices."""
+    return (
+        bool(leaves)
+        and sum(x.size for x in leaves) <= _FLATTEN_BELOW
+        and all(_traced_whole_on_one_device(x) for x in leaves)
+    )
+
+
 def _squares(leaves) -> jax.Array:
     """The sum of squares of all elements of ``leaves``, in float32.
 
@@ -572,9 +598,9 @@ def _squares(leaves) -> jax.Array:
     the finiteness check needs no reduction of its own: the ``u * 0`` sum it replaces made
     XLA:CPU write a broadcast zero the size of every leaf.
     """
-    if sum(x.size for x in leaves) > _FLATTEN_BELOW:
-        return sum((_sum_of_squares(x) for x in leaves), jnp.float32(0))
-    return _sum_of_squares(_flat(leaves))
+    if _flattenable(leaves):
+        return _sum_of_squares(_flat(leaves))
+    return sum((_sum_of_squares(x) for x in leaves), jnp.float32(0))
 
 
 def _global_norm(tree) -> jax.Array:
@@ -587,9 +613,9 @@ def _held_updates(proposed, *, checked: bool):
 
     ``squares`` is the float32 sum of squares of every element (finite exactly when the
     updates are, see :func:`_squares`; None when not ``checked``); ``unless(hold)`` returns
-    ``proposed``, or zeros where ``hold``. On a small tree of float leaves both read one flat
-    float32 copy: the select in the caller's ``apply_updates`` then reads slices of the copy
-    the reduction reads. Selected leaf by leaf, every update leaf was also written out a
+    ``proposed``, or zeros where ``hold``. On a small tree of float leaves that each device
+    holds whole (:func:`_flattenable`) both read one flat float32 copy: the select in the
+    caller's ``apply_updates`` then reads slices of the copy the reduction reads. Selected leaf by leaf, every update leaf was also written out a
     second time, flattened for the reduction: a fusion per leaf, which on a small model costs
     more than the arithmetic (scripts/bench_guard.py). The copy is exact: only float leaves
     of at most 32 bits take that path, and only leaves that ``shard_map`` types alike.
@@ -597,8 +623,7 @@ def _held_updates(proposed, *, checked: bool):
     leaves, treedef = jax.tree.flatten(proposed)
     flat_path = (
         checked
-        and leaves
-        and sum(x.size for x in leaves) <= _FLATTEN_BELOW
+        and _flattenable(leaves)
         and all(jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize <= 4 for x in leaves)
         # Inside shard_map, slices of one flat copy would all vary over the axes any leaf
         # varies over: a replicated update would come back typed as varying.
