@@ -615,10 +615,11 @@ def _held_updates(proposed, *, checked: bool):
     updates are, see :func:`_squares`; None when not ``checked``); ``unless(hold)`` returns
     ``proposed``, or zeros where ``hold``. On a small tree of float leaves that each device
     holds whole (:func:`_flattenable`) both read one flat float32 copy: the select in the
-    caller's ``apply_updates`` then reads slices of the copy the reduction reads. Selected leaf by leaf, every update leaf was also written out a
-    second time, flattened for the reduction: a fusion per leaf, which on a small model costs
-    more than the arithmetic (scripts/bench_guard.py). The copy is exact: only float leaves
-    of at most 32 bits take that path, and only leaves that ``shard_map`` types alike.
+    caller's ``apply_updates`` then reads slices of the copy the reduction reads. Selected
+    leaf by leaf, every update leaf was also written out a second time, flattened for the
+    reduction: a fusion per leaf, which on a small model costs more than the arithmetic
+    (scripts/bench_guard.py). The copy is exact: only float leaves of at most 32 bits take
+    that path, and only leaves that ``shard_map`` types alike.
     """
     leaves, treedef = jax.tree.flatten(proposed)
     flat_path = (
