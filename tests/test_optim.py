@@ -193,6 +193,17 @@ def test_updates_pass_through_bit_for_bit_in_their_dtype_or_are_zeroed(size, dty
             assert u.dtype == x.dtype and not np.any(np.asarray(u, np.float32))
 
 
+def test_a_weak_typed_update_stays_weak_typed():
+    """As the inner optimizer returns it: a weak-typed scalar update is not made strong (which
+    would retrace the caller's step once)."""
+    params = {"w": jnp.ones((4,)), "lr_scale": jnp.asarray(1.5)}
+    assert jax.typeof(params["lr_scale"]).weak_type
+    tx = refuse_corrupted(optax.identity())
+    updates, state = tx.update(params, tx.init(params), params)
+    assert int(state.reason) == 0
+    assert jax.typeof(updates["lr_scale"]).weak_type and not jax.typeof(updates["w"]).weak_type
+
+
 @pytest.mark.parametrize("size", [1_000, 600_000], ids=["flattened", "per_leaf"])
 def test_norm_and_finiteness_agree_on_small_and_big_trees(size):
     """Small trees are reduced flattened, big ones leaf by leaf: both give the same verdicts."""
@@ -634,11 +645,17 @@ def test_the_guarded_update_is_differentiable_like_a_select(refused):
         _, new = tx.update(grads, state, params, abft_uncorrectable=abft)
         return sum(jnp.sum(x) for x in jax.tree.leaves(new.inner_state))
 
-    grads = jax.grad(momentum_after)(toy_grads(0, params))
+    def updates_sum(grads):
+        updates, _ = tx.update(grads, state, params, abft_uncorrectable=abft)
+        return sum(jnp.sum(x) for x in jax.tree.leaves(updates))
+
     # Accepted: the new momentum is the gradient itself (d/dg = 1); refused: the old one (0).
+    # The updates are -0.1 times it (held through the flat copy), or zeros.
     expected = 0.0 if refused else 1.0
-    for g in jax.tree.leaves(grads):
-        np.testing.assert_array_equal(np.asarray(g), np.full(g.shape, expected, np.float32))
+    for fn, scale in ((momentum_after, 1.0), (updates_sum, -0.1)):
+        for g in jax.tree.leaves(jax.grad(fn)(toy_grads(0, params))):
+            want = np.full(g.shape, np.float32(scale * expected), np.float32)
+            np.testing.assert_array_equal(np.asarray(g), want)
 
 
 # --- ZeRO/FSDP: gradients sharded over the data axis by psum_scatter ----------------------------

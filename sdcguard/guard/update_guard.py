@@ -626,6 +626,8 @@ def _held_updates(proposed, *, checked: bool):
         checked
         and _flattenable(leaves)
         and all(jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize <= 4 for x in leaves)
+        # A slice cast back would be strongly typed: a weak-typed update stays as it came.
+        and not any(jax.typeof(x).weak_type for x in leaves)
         # Inside shard_map, slices of one flat copy would all vary over the axes any leaf
         # varies over: a replicated update would come back typed as varying.
         and len({_varying_axes(x) for x in leaves}) == 1
