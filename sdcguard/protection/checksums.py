@@ -376,6 +376,26 @@ def underflow_slack(out_dtype, contraction: int) -> float:
     return (2 * contraction + 2) * tiny32 + float(jnp.finfo(out_dtype).tiny)
 
 
+def scaled_line_threshold(
+    bound, scale, *, out_dtype, contraction: int, line: int, input_unit: float, safety: float
+):
+    """How far a clean line's sum may stray from its checksum, in the checksum's scaled units.
+
+    ``γ · bound`` (:func:`roundoff_gamma` for a line of ``line`` elements) plus what flushing
+    subnormals to zero can move the line by (:func:`underflow_slack`), scaled by ``scale``, the
+    power of two the checksums carry. The Pallas kernels and their verification compare with it;
+    :func:`line_checksums` adds the same terms for the XLA path.
+    """
+    gamma = roundoff_gamma(
+        out_dtype=out_dtype,
+        contraction=contraction,
+        line=line,
+        input_unit=input_unit,
+        safety=safety,
+    )
+    return gamma * bound + line * underflow_slack(out_dtype, contraction) * scale
+
+
 def line_checksums(
     c: jax.Array,
     a: jax.Array,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -19,7 +20,10 @@ from jax import lax
 
 from sdcguard.fault_model import inject
 from sdcguard.fault_model.sites import NEAR_INF, FaultKind, site_id
-from sdcguard.protection.checksums import power_of_two_below, roundoff_gamma, underflow_slack
+from sdcguard.protection.checksums import (
+    power_of_two_below,
+    scaled_line_threshold,
+)
 from sdcguard.protection.config import count_outcomes
 
 _INTERPRET: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
@@ -277,13 +281,13 @@ def check_tile(
       as its inputs define it, as the XLA path does).
     """
     m, n = c.shape
-    gamma_row = roundoff_gamma(
-        out_dtype=out_dtype, contraction=contraction, line=n, input_unit=input_unit, safety=safety
+    bound_of = functools.partial(
+        scaled_line_threshold,
+        out_dtype=out_dtype,
+        contraction=contraction,
+        input_unit=input_unit,
+        safety=safety,
     )
-    gamma_col = roundoff_gamma(
-        out_dtype=out_dtype, contraction=contraction, line=m, input_unit=input_unit, safety=safety
-    )
-    slack = underflow_slack(out_dtype, contraction)
     b_abs_rowsum = jnp.sum(jnp.abs(b), axis=1)  # [k]
     row_scale = power_of_two_below(jnp.max(b_abs_rowsum))
     b_rowsum = jnp.sum(b, axis=1) * row_scale
@@ -292,7 +296,7 @@ def check_tile(
     # C is scaled before it is summed: a line of large finite values can overflow its sum.
     row_sum = jnp.sum(c * row_scale, axis=1)
     # `not <=` so that NaN deviations are flagged too.
-    row_threshold = gamma_row * row_bound + n * slack * row_scale
+    row_threshold = bound_of(row_bound, row_scale, line=n)
     bad_row = ~(jnp.abs(row_sum - row_ref) <= row_threshold)
     n_bad_rows = jnp.sum(_i32(bad_row))
 
@@ -303,7 +307,7 @@ def check_tile(
         col_ref = jnp.sum(a_colsum[:, None] * b, axis=0)  # [n], scaled
         col_bound = jnp.sum((a_abs_colsum * col_scale)[:, None] * jnp.abs(b), axis=0)
         col_sum = jnp.sum(c * col_scale, axis=0)
-        col_threshold = gamma_col * col_bound + m * slack * col_scale
+        col_threshold = bound_of(col_bound, col_scale, line=m)
         bad_col = ~(jnp.abs(col_sum - col_ref) <= col_threshold)
         br = bad_row[:, None]
         bc = bad_col[None, :]

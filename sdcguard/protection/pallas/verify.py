@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from sdcguard.protection import checksums
-from sdcguard.protection.checksums import Contraction, input_rounding, repair_if, roundoff_gamma
+from sdcguard.protection.checksums import Contraction, input_rounding, repair_if
 from sdcguard.protection.config import ABFTConfig, count_outcomes
 from sdcguard.protection.pallas._common import cdiv, check_block, resolve_interpret
 
@@ -288,16 +288,15 @@ def flag_lines(
     subnormal products to zero can move the line by (as in the XLA path).
     """
     m, n = row_sum.shape[-1], col_sum.shape[-1]
-    gamma_col = roundoff_gamma(
-        out_dtype=out_dtype, contraction=k, line=m, input_unit=input_unit, safety=safety
+    bound_of = functools.partial(
+        checksums.scaled_line_threshold,
+        out_dtype=out_dtype,
+        contraction=k,
+        input_unit=input_unit,
+        safety=safety,
     )
-    gamma_row = roundoff_gamma(
-        out_dtype=out_dtype, contraction=k, line=n, input_unit=input_unit, safety=safety
-    )
-    row_scale, col_scale = sums.row_scale[:, None], sums.col_scale[:, None]
-    slack = checksums.underflow_slack(out_dtype, k)
-    col_threshold = gamma_col * sums.col_bound + m * slack * col_scale
-    row_threshold = gamma_row * sums.row_bound + n * slack * row_scale
+    col_threshold = bound_of(sums.col_bound, sums.col_scale[:, None], line=m)
+    row_threshold = bound_of(sums.row_bound, sums.row_scale[:, None], line=n)
     # `not <=` so that NaN deviations are flagged too.
     bad_col = ~(jnp.abs(col_sum - sums.col) <= col_threshold)
     bad_row = ~(jnp.abs(row_sum - sums.row) <= row_threshold)
