@@ -36,10 +36,8 @@ import collections
 import dataclasses
 import fnmatch
 import functools
-import os
-import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,17 +47,13 @@ from jax.extend import core as jex_core
 
 from sdcguard.fault_model import inject
 from sdcguard.in_place import apply_if
-from sdcguard.protection import abft, checksums, sharding
+from sdcguard.protection import abft, checksums, naming, sharding
 from sdcguard.protection.abft import NUM_COUNTERS, ABFTConfig
 
 __all__ = ["GemmSite", "checked", "list_sites", "total"]
 
 Report = dict[str, jax.Array]
 
-_THIS_FILE = os.path.abspath(__file__)
-_WRAPPED = re.compile(r"^[A-Za-z_][\w.]*\((.*)\)$")
-# Name-stack components that say how a value was computed, not where in the model it is.
-_NOT_A_PLACE = {"rematted_computation", "checkpoint", "remat", "<lambda>"}
 _FLOAT_KINDS = {"f"}
 
 
@@ -86,166 +80,6 @@ class GemmSite:
     why_unchecked: str
 
 
-# --- Naming the GEMMs of a program --------------------------------------------------------------
-
-
-def _clean_scope(name_stack: str) -> tuple[str, str | None, bool]:
-    """``(scope, einsum_spec, is_backward)`` from a name stack like
-    ``transpose(jvp(GPT))/decoder/block_0/attn/...qhd,...khd->...hqk``."""
-    backward = "transpose(" in name_stack
-    parts, spec = [], None
-    for part in name_stack.split("/") if name_stack else []:
-        while (m := _WRAPPED.match(part)) is not None:
-            part = m.group(1)
-        if "->" in part:
-            spec = part
-        elif part and part not in _NOT_A_PLACE:
-            parts.append(part)
-    return "/".join(parts), spec, backward
-
-
-def _is_path(scope: str) -> bool:
-    # Equinox names each module call by its class (``eqx.nn.Linear``): a kind, not a place.
-    return bool(scope) and ("/" in scope or "." not in scope)
-
-
-def _user_frames(eqn) -> list:
-    """The Python frames of the code ``fn`` ran, outermost first, below ``fn`` itself."""
-    tb = eqn.source_info.traceback
-    frames = list(source_info_util.user_frames(tb))[::-1] if tb is not None else []
-    ours = [i for i, f in enumerate(frames) if os.path.abspath(f.file_name) == _THIS_FILE]
-    if ours:
-        frames = frames[ours[-1] + 2 :]  # drop the tracing frames and fn's own frame
-    return frames
-
-
-class _Gemm:
-    """One dot_general equation seen while naming."""
-
-    def __init__(self, eqn, name_stack: str):
-        self.eqn = eqn
-        scope, self.spec, self.backward = _clean_scope(name_stack)
-        # The backward pass's recomputation of a GEMM under jax.checkpoint / remat.
-        self.in_remat = "rematted_computation" in name_stack and not self.backward
-        frames = _user_frames(eqn)
-        self.key = (scope, tuple((f.file_name, f.start_line) for f in frames))
-        # A function's own name, without the functions it is nested in (``f.<locals>.g``: g).
-        names = [f.function_name.rsplit("<locals>.", 1)[-1] for f in frames]
-        if len(frames) == 1:
-            # Bodies of scan, while and checkpoint keep only their innermost frame: its lexical
-            # nesting (``loss.<locals>.layer``: ``loss/layer``) is what is left of the path.
-            names = frames[0].function_name.split(".<locals>.")
-        if _is_path(scope):
-            where = scope
-            inner = names[-1].rsplit(".", 1)[-1] if names else ""
-            what = inner if inner and inner not in ("__call__", "<lambda>") else "dot_general"
-        else:
-            where = "/".join(names) or scope or "fn"
-            what = "dot_general"
-        self.base = f"{where}:{what}"
-        lhs, rhs = eqn.invars[:2]
-        self.lhs_shape, self.rhs_shape = tuple(lhs.aval.shape), tuple(rhs.aval.shape)
-        self.out_shape = tuple(eqn.outvars[0].aval.shape)
-        self.dtype = jnp.dtype(lhs.aval.dtype)
-
-
-def _sub_jaxprs(eqn):
-    for value in eqn.params.values():
-        items = value if isinstance(value, tuple | list) else (value,)
-        for item in items:
-            if isinstance(item, jex_core.ClosedJaxpr):
-                yield item.jaxpr
-            elif isinstance(item, jex_core.Jaxpr):
-                yield item
-
-
-def _collect(jaxpr, outer: str = "") -> list[_Gemm]:
-    """Every dot_general of ``jaxpr`` and its sub-jaxprs, in program order.
-
-    ``outer`` is the name stack of the equations that hold ``jaxpr``: the body of a scan keeps
-    only its own names, and that it runs in the backward pass (``transpose(...)``) is said by
-    the scan equation around it.
-    """
-    found = []
-    for eqn in jaxpr.eqns:
-        stack = "/".join(p for p in (outer, str(eqn.source_info.name_stack)) if p)
-        if eqn.primitive.name == "dot_general":
-            found.append(_Gemm(eqn, stack))
-        for sub in _sub_jaxprs(eqn):
-            found += _collect(sub, stack)
-    return found
-
-
-def _grad_side(gemm: _Gemm, forwards: list[_Gemm]) -> tuple[_Gemm | None, str]:
-    """The forward GEMM a backward GEMM differentiates, and which operand's gradient it is.
-
-    ``dA = g·Bᵀ`` reads B and ``dB = Aᵀ·g`` reads A: the very variables of the forward GEMM
-    when nothing was rematerialised. Otherwise the output shape tells, when lhs and rhs differ.
-    """
-    operands = set(map(id, gemm.eqn.invars[:2]))
-    for fwd in forwards:
-        lhs, rhs = map(id, fwd.eqn.invars[:2])
-        if rhs in operands and lhs not in operands:
-            return fwd, "grad_lhs"
-        if lhs in operands and rhs not in operands:
-            return fwd, "grad_rhs"
-    out = sorted(gemm.out_shape)
-    for fwd in forwards:
-        lhs, rhs = sorted(fwd.lhs_shape), sorted(fwd.rhs_shape)
-        if out == lhs != rhs:
-            return None, "grad_lhs"
-        if out == rhs != lhs:
-            return None, "grad_rhs"
-    return None, ""
-
-
-def _name_gemms(jaxpr) -> dict[int, tuple[str, str]]:
-    """``id(eqn) -> (site name, direction)`` for every dot_general of ``jaxpr``, nested ones too.
-
-    Forward GEMMs are named by place and call site, with ``_1``, ``_2``, ... in program order
-    where several share a base name (a layer object called in a Python loop). A recomputation
-    under remat takes the name of the forward GEMM it recomputes (the backward pass recomputes
-    in reverse order), so a fault at that site reaches both. A backward GEMM is named after the
-    forward GEMM it differentiates, with ``.grad_lhs`` / ``.grad_rhs``.
-    """
-    gemms = _collect(jaxpr)
-    forward_by_key: dict[tuple, list[_Gemm]] = collections.defaultdict(list)
-    name_of: dict[int, str] = {}
-    used: collections.Counter = collections.Counter()
-    for g in gemms:
-        if g.backward or g.in_remat:
-            continue
-        forward_by_key[g.key].append(g)
-        n = used[g.base]
-        used[g.base] += 1
-        name_of[id(g)] = g.base if n == 0 else f"{g.base}_{n}"
-    names: dict[int, tuple[str, str]] = {}
-    recomputed: collections.Counter = collections.Counter()
-    backward_seen: collections.Counter = collections.Counter()
-    for g in gemms:
-        forwards = forward_by_key.get(g.key, [])
-        if not g.backward and not g.in_remat:
-            names[id(g.eqn)] = (name_of[id(g)], "forward")
-        elif not forwards:  # a GEMM of a backward rule or of remat alone: a site of its own
-            n = used[g.base]
-            used[g.base] += 1
-            names[id(g.eqn)] = (g.base if n == 0 else f"{g.base}_{n}", "forward")
-        elif not g.backward:
-            k = recomputed[g.key]
-            recomputed[g.key] += 1
-            names[id(g.eqn)] = (name_of[id(forwards[-1 - k % len(forwards)])], "forward")
-        else:
-            fwd, side = _grad_side(g, forwards)
-            k = backward_seen[g.key]
-            backward_seen[g.key] += 1
-            if fwd is None:  # two gradient GEMMs per forward one, last layer first
-                fwd = forwards[-1 - (k // 2) % len(forwards)]
-            if not side:  # square operands, rematerialised: JAX transposes the rhs first
-                side = ("grad_rhs", "grad_lhs")[k % 2]
-            names[id(g.eqn)] = (f"{name_of[id(fwd)]}.{side}", side)
-    return names
-
-
 def _selected(name: str, config: ABFTConfig) -> bool:
     included = any(fnmatch.fnmatchcase(name, p) for p in config.include)
     return included and not any(fnmatch.fnmatchcase(name, p) for p in config.exclude)
@@ -260,10 +94,12 @@ def _why_unchecked(dtype, name: str, config: ABFTConfig) -> str:
     return ""
 
 
-def _site_table(jaxpr, config: ABFTConfig) -> tuple[dict[int, tuple[str, str]], list[GemmSite]]:
-    names = _name_gemms(jaxpr)
+def _site_table(
+    jaxpr, config: ABFTConfig, input_paths: Sequence[str] = ()
+) -> tuple[dict[int, tuple[str, str]], list[GemmSite]]:
+    names = naming.name_gemms(jaxpr, input_paths)
     sites: dict[str, GemmSite] = {}
-    for g in _collect(jaxpr):
+    for g in naming.collect_gemms(jaxpr):
         name, direction = names[id(g.eqn)]
         why = _why_unchecked(g.dtype, name, config)
         sites.setdefault(
@@ -340,7 +176,7 @@ class _Evaluator:
     def sites_in(self, jaxpr) -> list[str]:
         """The checked sites of ``jaxpr`` and everything nested in it, in a fixed order."""
         out = []
-        for g in _collect(jaxpr):
+        for g in naming.collect_gemms(jaxpr):
             name, _ = self.names[id(g.eqn)]
             if not _why_unchecked(g.dtype, name, self.config) and name not in out:
                 out.append(name)
@@ -378,7 +214,7 @@ class _Evaluator:
         rule = getattr(self, "_" + eqn.primitive.name, None)
         if rule is not None:
             return rule(eqn, invals)
-        if any(True for _ in _sub_jaxprs(eqn)):
+        if any(True for _ in naming.sub_jaxprs(eqn)):
             # A higher-order primitive this transform does not open: its GEMMs run unchecked
             # (list_sites reports them).
             self.unchecked_primitives.add(eqn.primitive.name)
@@ -567,13 +403,21 @@ def _is_array(x) -> bool:
     return isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
 
 
-def _trace(fn, args, kwargs):
-    """``(closed jaxpr, output treedef, array arguments)`` of ``fn(*args, **kwargs)``.
+class _Traced(NamedTuple):
+    closed: Any  # the ClosedJaxpr of fn over its array arguments
+    rebuild: Callable  # the jaxpr's outputs -> fn's output pytree
+    arrays: list  # the array arguments, in the order of the jaxpr's inputs
+    paths: list[str]  # each array argument's key path in ``(args, kwargs)``, ``jax.tree_util``'s
+
+
+def _trace(fn, args, kwargs) -> _Traced:
+    """``fn(*args, **kwargs)`` traced to a jaxpr over its array arguments.
 
     Only arrays are arguments of the traced program; any other leaf (a Python bool, a
     callable, an Equinox module's static field) stays what it is, as under ``eqx.filter_jit``.
     """
-    leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+    with_paths, in_tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    leaves = [x for _, x in with_paths]
     dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
     out_tree = []
 
@@ -603,7 +447,8 @@ def _trace(fn, args, kwargs):
             tree, [next(it_static) if s else next(it_dyn) for s in is_static]
         )
 
-    return closed, rebuild, arrays
+    paths = [jax.tree_util.keystr(with_paths[i][0]) for i in dynamic]
+    return _Traced(closed, rebuild, arrays, paths)
 
 
 def _reduce(counts: dict, per_device: set[str], mesh=None) -> Report:
@@ -625,8 +470,8 @@ def _reduce(counts: dict, per_device: set[str], mesh=None) -> Report:
 
 
 def _evaluate(fn, config, args, kwargs) -> tuple[Any, Report]:
-    closed, rebuild, arrays = _trace(fn, args, kwargs)
-    names, _ = _site_table(closed.jaxpr, config)
+    closed, rebuild, arrays, paths = _trace(fn, args, kwargs)
+    names, _ = _site_table(closed.jaxpr, config, paths)
     evaluator = _Evaluator(names, config, mesh=sharding.device_mesh(*arrays))
     outs, counts = evaluator.run(closed.jaxpr, closed.consts, arrays)
     out = rebuild(outs)
@@ -704,6 +549,6 @@ def list_sites(fn: Callable, *args, config: ABFTConfig | None = None, **kwargs) 
       >>> [s.name for s in list_sites(train_step, state, batch) if s.direction == "forward"]
     """
     config = ABFTConfig() if config is None else config
-    closed, _, _ = _trace(fn, args, kwargs)
-    _, sites = _site_table(closed.jaxpr, config)
+    traced = _trace(fn, args, kwargs)
+    _, sites = _site_table(traced.closed.jaxpr, config, traced.paths)
     return sites
