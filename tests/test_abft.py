@@ -66,63 +66,81 @@ def test_clean_is_untouched(dtype):
     np.testing.assert_array_equal(out, jnp.einsum(SPEC, a, b))
 
 
-def test_whole_row_is_corrected():
-    """A 1D error (a whole row of one matrix) is repaired from the column checksums."""
-    a, b = operands(jnp.float32)
-    row = [Fault(site=SITE, kind="nan", index=5 * 24 + j) for j in range(24)]
-    out, counts = run(a, b, FaultPlan.from_faults(row))
-    np.testing.assert_array_equal(counts, [1, 1, 0, 0])
-    assert_close(out, jnp.einsum(SPEC, a, b), jnp.float32)
-
-
-def test_row_and_column_in_one_matrix_is_recomputed():
-    """Bad row 3 (all columns) plus one more element in that row's matrix: neither checksum side
-    locates them one per line, so the flagged rows are recomputed, and the result re-checked."""
-    a, b = operands(jnp.float32)
-    faults = [Fault(site=SITE, kind="scale", value=3.0, index=3 * 24 + j) for j in range(24)]
-    faults.append(Fault(site=SITE, kind="scale", value=3.0, index=9 * 24 + 4))
-    out, counts = run(a, b, FaultPlan.from_faults(faults))
-    np.testing.assert_array_equal(counts, [1, 1, 0, 0])
-    assert_close(out, jnp.einsum(SPEC, a, b), jnp.float32)
+def _uncorrectable_and_flagged(out, counts, plan_faults, a, b):
+    """Counted uncorrectable (for the step-level decision), never corrected, and C passed on as
+    it was computed: the check does not pretend."""
+    np.testing.assert_array_equal(counts, [1, 0, 1, 0])
+    clean = jnp.einsum(SPEC, a, b)
+    hit = np.zeros(clean.size, bool)
+    hit[[f.index for f in plan_faults]] = True
+    changed = np.asarray(out != clean).reshape(-1)
+    assert changed[hit].all() and not changed[~hit].any()
 
 
 @pytest.mark.parametrize(
     "indices",
-    [(0, 1, 24, 25), (3 * 24 + 5, 9 * 24 + 11)],
-    ids=["2x2-block", "two-rows-two-columns"],
+    [
+        tuple(5 * 24 + j for j in range(24)),  # a whole row (1D)
+        (*(3 * 24 + j for j in range(24)), 9 * 24 + 4),  # a row and one more element
+        (0, 1, 24, 25),  # a 2x2 block
+        (3 * 24 + 5, 9 * 24 + 11),  # two rows, two columns
+        (3 * 24 + 5, 3 * 24 + 11),  # two finite errors in one row
+    ],
+    ids=["whole-row", "row-and-element", "2x2-block", "two-rows", "two-in-a-row"],
 )
-def test_faults_in_several_rows_and_columns_are_recomputed(indices):
+def test_more_than_one_error_in_a_matrix_is_uncorrectable_in_place(indices):
+    """In place, each matrix gets one exact, branch-free fix; more than one error per matrix is
+    left to the step-level decision (``checked(..., recompute=True)`` computes the step again,
+    the update guard refuses it), counted, and never passed on as corrected."""
     a, b = operands(jnp.float32)
     faults = [Fault(site=SITE, kind="scale", value=50.0, index=i) for i in indices]
     out, counts = run(a, b, FaultPlan.from_faults(faults))
-    np.testing.assert_array_equal(counts, [1, 1, 0, 0])
-    assert_close(out, jnp.einsum(SPEC, a, b), jnp.float32)
+    _uncorrectable_and_flagged(out, counts, faults, a, b)
 
 
-def test_a_repair_that_does_not_pass_the_recheck_is_uncorrectable(monkeypatch):
-    """Hardware that corrupts the recomputation too: faults in two rows and two columns make the
-    flagged rows be recomputed, the re-check fails, and the matrix is counted uncorrectable,
-    never corrected."""
+def test_a_fix_that_does_not_pass_the_recheck_is_uncorrectable(monkeypatch):
+    """Hardware that corrupts the recomputation of the located element too: the row fails its
+    check after the fix, so the matrix is counted uncorrectable, never corrected, and C keeps
+    the value it had."""
     a, b = operands(jnp.float32)
     einsum = jnp.einsum
 
     def faulty_recompute(spec, *operands, **kwargs):
         out = einsum(spec, *operands, **kwargs)
-        if spec == SPEC and kwargs.get("precision") == "highest":  # the repair's recomputation
-            out = out.at[0, 0, 3, 5].add(100.0)
+        if len(spec.split("->")[1]) == 1 and kwargs.get("precision") is not None:
+            out = out + 100.0  # the located element's dot: one letter out, the matrix index
         return out
 
-    faults = [
-        Fault(site=SITE, kind="scale", value=50.0, index=i) for i in (3 * 24 + 5, 9 * 24 + 11)
-    ]
-    plan = FaultPlan.from_faults(faults)
     monkeypatch.setattr(jnp, "einsum", faulty_recompute)
+    faults = [Fault(site=SITE, kind="inf", index=3 * 24 + 5)]
     # A config of its own: JAX caches traced checks by their static settings, and the healthy
-    # recomputation of the same fault (test_faults_in_several_rows_and_columns_are_recomputed)
-    # must not be reused here.
+    # recomputation of the same fault must not be reused here.
     config = ABFTConfig(near_inf=1e11)
-    _, counts = checked_einsum(SPEC, a, b, site=SITE, plan=plan, config=config)
-    np.testing.assert_array_equal(counts, [1, 0, 1, 0])
+    out, counts = checked_einsum(
+        SPEC, a, b, site=SITE, plan=FaultPlan.from_faults(faults), config=config
+    )
+    _uncorrectable_and_flagged(out, counts, faults, a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["inf", "nan", "near_inf", "bitflip"])
+def test_a_correction_equals_the_clean_element_to_the_gemms_own_rounding(dtype, kind):
+    """The located element is computed again from its row and column: every other element is
+    untouched, and the corrected one differs from the clean GEMM's only by the order of its
+    float32 sum (before the one rounding to the output dtype both share)."""
+    a, b = operands(dtype)
+    clean = jnp.einsum(SPEC, a, b)
+    plan = FaultPlan.from_faults([Fault(site=SITE, kind=kind, index=1234, bit=HIGH_BIT[dtype])])
+    out, counts = run(a, b, plan)
+    np.testing.assert_array_equal(counts, [1, 1, 0, 0])
+    flat_out, flat_clean = np.asarray(out, np.float32).reshape(-1), np.asarray(clean, np.float32)
+    np.testing.assert_array_equal(
+        np.delete(flat_out, 1234), np.delete(flat_clean.reshape(-1), 1234)
+    )
+    k = a.shape[-1]
+    own = np.einsum(SPEC, np.abs(np.asarray(a, np.float32)), np.abs(np.asarray(b, np.float32)))
+    slack = 2 * k * float(jnp.finfo(jnp.float32).eps) * own.reshape(-1)[1234]
+    assert abs(flat_out[1234] - flat_clean.reshape(-1)[1234]) <= slack
 
 
 def test_faults_in_separate_matrices_each_counted():
@@ -146,7 +164,7 @@ def _while_loops(fn, *args) -> int:
     return jax.jit(fn).lower(*args).as_text().count("stablehlo.while")
 
 
-def test_detect_only_counts_each_matrix_and_needs_no_repair_loop():
+def test_detect_only_counts_each_matrix_and_no_check_has_a_loop():
     a, b = operands(jnp.float32)
     per_matrix = 32 * 24
     faults = [Fault(site=SITE, kind="bitflip", bit=30, index=m * per_matrix + 5) for m in (1, 4)]
@@ -157,9 +175,10 @@ def test_detect_only_counts_each_matrix_and_needs_no_repair_loop():
     plan = FaultPlan.from_faults(faults)
     _, counts = jax.jit(run_with, static_argnums=0)(ABFTConfig(correct=False), plan)
     np.testing.assert_array_equal(counts, [2, 0, 2, 0])
-    # Detection only passes C on as it is: nothing is left for a repair loop to wait on.
+    # No check waits on a loop: detection passes C on as it is, and the in-place fix is a
+    # scatter of one element per matrix (each loop would be a host sync on XLA:GPU).
     assert _while_loops(lambda p: run_with(ABFTConfig(correct=False), p), plan) == 0
-    assert _while_loops(lambda p: run_with(ABFTConfig(), p), plan) == 1
+    assert _while_loops(lambda p: run_with(ABFTConfig(), p), plan) == 0
 
 
 def test_detect_only_softmax_check_counts_bad_matrices_without_a_loop():

@@ -285,6 +285,7 @@ def _contract_with_line_sums(
     *,
     x_nonnegative: bool = False,
     as_dot: bool | None = None,
+    weights: jax.Array | None = None,
 ):
     """One side's scaled checksum ``ref = Σ_contracted x · (Σ_summed other)·s`` and magnitude.
 
@@ -308,9 +309,14 @@ def _contract_with_line_sums(
     ``as_dot`` forces one formulation of the products (None: :func:`products_as_dot`;
     ``scripts/bench_checksum_products.py`` times both).
 
+    ``weights`` (broadcastable to ``other``, e.g. the column index 1..N along the summed axes)
+    adds a second, weighted checksum ``Σ x·(Σ_summed w·other)·s`` computed in the same products
+    (one read of ``x`` for both): ``ref`` then has a trailing axis ``[plain, weighted]``.
+
     Returns:
       ``(ref, magnitude, scale)``, float32; ``ref`` and ``magnitude`` have the letters
-      ``ct.without(summed_letters)``, ``scale`` the letters ``ct.batch``.
+      ``ct.without(summed_letters)`` (``ref`` a trailing axis of 2 with ``weights``), ``scale``
+      the letters ``ct.batch``.
     """
     f32 = jnp.float32
     x, other = x.astype(f32), other.astype(f32)
@@ -341,7 +347,18 @@ def _contract_with_line_sums(
             return _gemv(x, x_letters, t, v_letters, ct.contracted, kept)
         return jnp.sum(x * along_x(t), axis=contracted_axes)
 
-    ref = line_products(v)
+    if weights is None:
+        ref = line_products(v)
+    else:
+        v_weighted = jnp.sum(other * weights.astype(f32), axis=summed_axes) * on_v
+        if as_dot:
+            # One matrix-vector product with two vectors: one read of x for both.
+            pair = next(c for c in string.ascii_letters if c not in x_letters + v_letters)
+            both = jnp.stack([v, v_weighted], axis=-1)  # letters v_letters + pair
+            ref = _gemv(x, x_letters, both, v_letters + pair, ct.contracted, kept + pair)
+        else:
+            # Sibling reductions of the same x: XLA fuses them into one pass over x.
+            ref = jnp.stack([line_products(v), line_products(v_weighted)], axis=-1)
     if x_nonnegative:
         # On clean data x >= 0 and this is |x|·w exactly; a corrupted negative entry can only
         # lower it, which tightens the threshold (more alarms, never fewer).
@@ -353,7 +370,8 @@ def _contract_with_line_sums(
     term = ct.without(summed_letters)
     perm = [kept.index(c) for c in term]
     scale = jnp.transpose(scale_v, [batch_in_v.index(c) for c in ct.batch])
-    return jnp.transpose(ref, perm), jnp.transpose(magnitude, perm), scale
+    ref_perm = perm if weights is None else [*perm, len(perm)]
+    return jnp.transpose(ref, ref_perm), jnp.transpose(magnitude, perm), scale
 
 
 def _along(t: jax.Array, t_letters: str, letters: str, shape) -> jax.Array:
@@ -477,6 +495,148 @@ def repair_if(flagged: jax.Array, repair, x: jax.Array) -> tuple[jax.Array, jax.
     return apply_if(flagged, lambda checked: repair(checked[0]), (x, zeros))
 
 
+def _flat_index(shape: tuple[int, ...]) -> jax.Array:
+    """int32 ``arange(prod(shape)).reshape(shape)``: the row-major flat index of each element."""
+    return jnp.arange(math.prod(shape), dtype=jnp.int32).reshape(shape)
+
+
+def _unravel(flat: jax.Array, letters: str, dims: dict) -> dict[str, jax.Array]:
+    """``{letter: index}`` of the row-major flat index ``flat`` over ``letters``' axes."""
+    index = jnp.unravel_index(flat, tuple(dims[c] for c in letters)) if letters else ()
+    return dict(zip(letters, index, strict=True))
+
+
+def _gather_lines(x: jax.Array, letters: str, at: dict[str, jax.Array], kept: str) -> jax.Array:
+    """``x[at]``: for each of ``Z`` index tuples ``at`` (``{letter: [Z]}``, one entry per letter of
+    ``x`` not in ``kept``), the ``kept`` axes of ``x`` there: ``[Z, *kept dims in x's order]``.
+
+    A gather of ``Z`` lines of ``x``, in ``x``'s own layout (no transpose of ``x``)."""
+    size = next(iter(at.values())).shape[0] if at else 1
+    if not at:
+        return jnp.broadcast_to(x, (size, *x.shape))
+    index = tuple(at[c] if c in at else slice(None) for c in letters)
+    out = x[index]
+    picked = [i for i, c in enumerate(letters) if c in at]
+    adjacent = picked == list(range(picked[0], picked[0] + len(picked)))
+    # numpy's rule: adjacent advanced indices keep their place, separated ones go first.
+    return jnp.moveaxis(out, picked[0], 0) if adjacent else out
+
+
+class RowCheck(NamedTuple):
+    """The row side of a contraction's check, one entry per row of ``C`` (letters: the output's
+    without the rhs-free ones), float32 in the checksums' scaled units (see
+    :class:`LineChecksums`).
+
+    Non-finite elements (and elements so large that their weighted sum could overflow) are
+    *extreme*: they are counted and located directly, and left out of the sums, so one INF
+    does not hide where it is.
+    """
+
+    ref: jax.Array  # A(Be)·scale: the row sums the inputs define
+    weighted_ref: jax.Array  # A(B·w)·scale, w = 1..N along the row: locates a single error
+    ordinary_sum: jax.Array  # Σ c·scale over the row's non-extreme elements
+    weighted_sum: jax.Array  # Σ w·c·scale over the same elements
+    abs_sum: jax.Array  # Σ |c|·scale over the same elements (rounding of a low-precision C)
+    extremes: jax.Array  # int32: how many extreme elements the row holds
+    extreme_at: jax.Array  # int32: Σ of their flat column indices (the index when there is one)
+    threshold: jax.Array  # the round-off bound of |ordinary_sum - ref| on a clean row
+    magnitude: jax.Array  # the row's Σ|A||B| bound (before γ): see _element_bound
+    scale: jax.Array  # the power of two per matrix (letters: the batch letters)
+
+
+def _row_check(c, a, b, ct: Contraction, *, safety, precision, lhs_nonnegative) -> RowCheck:
+    """Encodes the row checksums of ``c = einsum(a, b)`` and sums C's rows, in one read of C.
+
+    Every reduction over ``C`` below sums the same elementwise function of one element, along
+    the same axes: XLA fuses them into one pass over ``C`` (with ``C``'s producer or consumer
+    where it can), which is the whole cost of detection beyond the narrow products with ``A``.
+    """
+    dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
+    n_line = math.prod(dims[x] for x in ct.rhs_free)
+    k = math.prod(dims[x] for x in ct.contracted)
+    # The weights 1..N along each row, on B's rhs-free axes for the reference and on C's for C.
+    rhs_free_in_b = "".join(x for x in ct.rhs if x in ct.rhs_free)
+    in_out_order = _flat_index(tuple(dims[x] for x in ct.rhs_free)) + 1
+    w_on_b = _along(in_out_order, ct.rhs_free, ct.rhs, b.shape)
+    refs, magnitude, scale = _contract_with_line_sums(
+        a,
+        ct.lhs,
+        b,
+        ct.rhs,
+        ct,
+        rhs_free_in_b,
+        x_nonnegative=lhs_nonnegative,
+        weights=w_on_b,
+    )
+    ref, weighted_ref = refs[..., 0], refs[..., 1]
+    row_term = ct.without(ct.rhs_free)
+    summed_axes = axes_of(ct.out, ct.rhs_free)
+    c32 = c.astype(jnp.float32) * _along(scale, ct.batch, ct.out, c.shape)  # exact: power of 2
+    w_on_c = _along(in_out_order, ct.rhs_free, ct.out, c.shape).astype(jnp.float32)
+    extreme = ~(
+        jnp.abs(c32) <= _along(_element_bound(magnitude, n_line), row_term, ct.out, c.shape)
+    )
+    ordinary = jnp.where(extreme, 0.0, c32)
+    ordinary_sum = jnp.sum(ordinary, axis=summed_axes)
+    weighted_sum = jnp.sum(ordinary * w_on_c, axis=summed_axes)
+    extremes = jnp.sum(extreme, axis=summed_axes, dtype=jnp.int32)
+    column = (w_on_c - 1).astype(jnp.int32)
+    extreme_at = jnp.sum(jnp.where(extreme, column, 0), axis=summed_axes)
+    # Rounding of the output: a C wider than float32 is summed in float32 (one more rounding of
+    # each element), and each operand wider than float32 is rounded to it for the checksums.
+    wide = max(jnp.dtype(c.dtype).itemsize, jnp.dtype(a.dtype).itemsize) > 4
+    input_unit = input_rounding(a.dtype, precision) + (unit_roundoff(jnp.float32) if wide else 0)
+    u_out = unit_roundoff(c.dtype)
+    low_precision_out = u_out > unit_roundoff(jnp.float32)
+    gamma = roundoff_gamma(
+        # A low-precision C's own rounding is bounded below, by the line it actually has.
+        out_dtype=jnp.float32 if (low_precision_out or wide) else c.dtype,
+        contraction=k,
+        line=n_line,
+        input_unit=input_unit,
+        safety=safety,
+    )
+    scale_on_row = _along(scale, ct.batch, row_term, ordinary_sum.shape)
+    threshold = gamma * magnitude + n_line * underflow_slack(c.dtype, k) * scale_on_row
+    abs_sum = jnp.zeros_like(ordinary_sum)
+    if low_precision_out:
+        # Rounding C to bf16/fp16 moves each element by at most u_out of itself, so the line
+        # moves by at most u_out·Σ|c|: often far below u_out·|A||B|e, which is loose where terms
+        # cancel. A fault cannot hide behind it: it raises Σ|c| by u_out·|Δ|, the deviation by |Δ|.
+        abs_sum = jnp.sum(jnp.abs(ordinary), axis=summed_axes)
+        threshold = threshold + safety * _rounding_of(u_out) * abs_sum
+    return RowCheck(
+        ref,
+        weighted_ref,
+        ordinary_sum,
+        weighted_sum,
+        abs_sum,
+        extremes,
+        extreme_at,
+        threshold,
+        magnitude,
+        scale,
+    )
+
+
+def _element_bound(magnitude: jax.Array, n_line: int) -> jax.Array:
+    """What no clean element of a row can exceed in magnitude, in scaled units.
+
+    ``|c_ij| <= Σ_k |a_ik||b_kj| <= max_k|a_ik| · Σ_k Σ_n |b_kn|``, the row's ``magnitude``; twice
+    that covers every rounding. An element beyond it is a fault wherever it sits (a near-INF
+    value, a flipped high exponent bit): it is located directly and kept out of the row's sums,
+    whose float32 rounding would otherwise absorb the rest of the row. Capped at f32max / N so
+    that no weighted term of the sums can overflow.
+    """
+    return jnp.minimum(2 * magnitude, float(jnp.finfo(jnp.float32).max) / (n_line + 1))
+
+
+def _rounding_of(u_out: float) -> float:
+    """Relative bound of one rounding to a dtype of unit round-off ``u_out``, as a fraction of
+    the *rounded* value: ``|x - fl(x)| <= u/(1-u)·|fl(x)|``."""
+    return u_out / (1 - u_out)
+
+
 def check_contraction(
     c: jax.Array,
     a: jax.Array,
@@ -487,136 +647,131 @@ def check_contraction(
     precision=None,
     lhs_nonnegative: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Verifies ``c == einsum(contraction, a, b)`` by checksums, locating and correcting errors.
+    """Verifies ``c == einsum(contraction, a, b)`` by checksums and corrects a single error per
+    matrix, exactly and without control flow.
 
-    Repair, for each matrix of the batch with a flagged line: an element located at the
-    intersection of a flagged row and column, or non-finite or near-INF in a flagged line, is
-    rebuilt from its checksum when every flagged line holds one such element; otherwise every
-    flagged row (or, with no flagged row, every flagged column) is recomputed from ``a`` and
-    ``b``, which also repairs faults in several rows and columns. The repaired matrix is then
-    checked again and counts as corrected only if it passes. A matrix whose inputs define a
-    non-finite value in a flagged line is left as the inputs define it and counted
-    ``nonfinite_input``.
+    Detection: the row sums of ``C`` against ``A(Be)``, and the count of non-finite elements.
+    Location, in a flagged row: a non-finite element directly; otherwise the column ``j`` of a
+    single error ``Δ`` from the ratio of the row's two deviations, ``(j+1)Δ / Δ`` (ATTNChecker's
+    plain and index-weighted checksums). Correction: the located element is computed again from
+    its row of ``a`` and column of ``b`` (a dot of length K, in float32 or wider) and rounded to
+    ``c``'s dtype, so it equals the clean element to the GEMM's own rounding; it counts as
+    corrected only if the row then passes its check. All of it is branch-free, for every matrix
+    of the batch: a few reductions fused into one read of ``C``, gathers of one row of ``a`` and
+    one column of ``b`` per matrix, and a scatter of one element per matrix into ``C``.
 
-    Known blind spot of line checksums: two errors in one row that cancel in its sum (and in
-    no column a fault could be seen alone) leave the row sum intact; the row check cannot see
-    them, as for any single-checksum ABFT.
+    A matrix with more than one flagged row, or a row with errors that do not locate to one
+    element, is counted ``uncorrectable`` and left as it is: never silently passed on, it is for
+    the step-level decision (``sdcguard.checked(..., ABFTConfig(recompute=True))`` computes the
+    step again; the update guard refuses it). A matrix whose inputs define a non-finite value in
+    a flagged row (an operand already held a NaN or INF, or the exact product overflows) is
+    left as the inputs define it and counted ``nonfinite_input``.
+
+    Known blind spot of line checksums: two errors in one row that cancel in its sum leave the
+    row sum intact; the row check cannot see them, as for any single-checksum ABFT.
 
     Args:
       c: the computed output (possibly corrupted), letters ``contraction.out``.
       a, b: the inputs, letters ``contraction.lhs`` / ``contraction.rhs``.
       contraction: the parsed einsum.
-      config: thresholds and whether to correct.
+      config: thresholds (``safety``) and whether to correct (``correct``).
       precision: the precision of the GEMM (for the input-rounding term of the tolerance).
       lhs_nonnegative: ``a >= 0`` elementwise on clean data (see :func:`checked_einsum`).
 
     Returns:
-      ``(c_checked, counts)``: ``c`` with located errors corrected (unchanged when clean), and
-      int32 ``[detected, corrected, uncorrectable, nonfinite_input]`` over the batch of matrices.
+      ``(c_checked, counts)``: ``c`` with a located error per matrix corrected (unchanged when
+      clean), and int32 ``[detected, corrected, uncorrectable, nonfinite_input]`` summed over
+      the batch of matrices.
+
+    Example:
+      >>> ct = Contraction.parse("bmk,bkn->bmn", 3, 3)
+      >>> c, counts = check_contraction(jnp.einsum(ct.spec, a, b), a, b, ct, config=ABFTConfig())
     """
     ct = contraction
-    # Detection needs one side: an error in C changes the sum of its row. The column checksums
-    # that locate it are encoded only when a row is flagged, so the clean path reads C once.
-    rows = line_checksums(
-        c,
-        a,
-        b,
-        ct,
-        "row",
-        safety=config.safety,
-        precision=precision,
-        lhs_nonnegative=lhs_nonnegative,
+    rows = _row_check(
+        c, a, b, ct, safety=config.safety, precision=precision, lhs_nonnegative=lhs_nonnegative
     )
-    bad_row = ~(rows.deviation <= rows.threshold)
+    deviation = rows.ordinary_sum - rows.ref
+    bad_row = ~(jnp.abs(deviation) <= rows.threshold) | (rows.extremes > 0)
+    # Per matrix of the batch: rows flattened, [batch..., rows] with the batch letters first.
     row_term = ct.without(ct.rhs_free)
-    row_free = axes_of(row_term, ct.lhs_free)
+    order = [row_term.index(x) for x in ct.batch + ct.lhs_free]
+
+    def per_matrix(x):
+        x = jnp.transpose(x, order)
+        return x.reshape((*x.shape[: len(ct.batch)], -1))
+
+    bad = per_matrix(bad_row)
+    upstream = jnp.any(bad & ~jnp.isfinite(per_matrix(rows.ref)), axis=-1)
+    detected = jnp.any(bad, axis=-1)
     if not config.correct:
-        # Detection only: C is passed on as it is, so nothing waits on a repair loop. A flagged
-        # row whose checksum, computed from the inputs alone, is not finite was doomed upstream.
-        detected = jnp.any(bad_row, axis=row_free)
-        upstream = jnp.any(bad_row & ~jnp.isfinite(rows.ref), axis=row_free)
+        # Detection only: C is passed on as it is. A flagged row whose checksum, computed from
+        # the inputs alone, is not finite was doomed upstream.
         return c, count_outcomes(jnp.sum(detected), 0, jnp.sum(upstream))
-    col_term = ct.without(ct.lhs_free)
+
     dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
-    batch = ct.batch
+    batch_shape = tuple(dims[x] for x in ct.batch)
+    n_line = math.prod(dims[x] for x in ct.rhs_free)
+    # The flagged row of each matrix (the first, when there are several: then nothing is fixed).
+    row = jnp.argmax(bad, axis=-1)
 
-    # Everything below works in C's own layout: a per-column array (letters `col_term`, a
-    # subsequence of `ct.out`) broadcasts against C after a reshape that inserts unit axes, so
-    # no transposes are needed and the correction branch stays small to compile.
-    out = ct.out
+    def at_row(x):
+        return jnp.take_along_axis(per_matrix(x), row[..., None], axis=-1)[..., 0]
 
-    def on_c(x, term):
-        return x.reshape([dims[x_] if x_ in term else 1 for x_ in out])
-
-    lhs_axes, rhs_axes = axes_of(out, ct.lhs_free), axes_of(out, ct.rhs_free)
-    col_free = axes_of(col_term, ct.rhs_free)
-    line_axes = lhs_axes + rhs_axes
-
-    def locate_and_correct(c):
-        # Casts live in the branch: outside it, a bf16 C would be widened on every clean step.
-        c32 = c.astype(jnp.float32)
-        cols = line_checksums(c, a, b, ct, "col", safety=config.safety, precision=precision)
-        bad_col = ~(cols.deviation <= cols.threshold)
-        br, bc = on_c(bad_row, row_term), on_c(bad_col, col_term)
-        in_flagged_line = br | bc
-        extreme = (~jnp.isfinite(c32) | (jnp.abs(c32) >= config.near_inf)) & in_flagged_line
-        located = extreme | (br & bc)
-        per_col = jnp.sum(located, axis=lhs_axes)  # letters col_term
-        per_row = jnp.sum(located, axis=rhs_axes)  # letters row_term
-        # Per matrix of the batch: every flagged line must hold a located element, and on the
-        # side used for the repair each line must hold at most one.
-        some = jnp.any(located, axis=line_axes)
-        covered = jnp.all(~bad_row | (per_row > 0), axis=row_free) & jnp.all(
-            ~bad_col | (per_col > 0), axis=col_free
-        )
-        by_col = some & covered & jnp.all(per_col <= 1, axis=col_free)
-        by_row = some & covered & jnp.all(per_row <= 1, axis=row_free) & ~by_col
-        # The checksums are scaled by a power of two per matrix; so is the sum they rebuild from.
-        row_scale = _along(rows.scale, batch, out, c.shape)
-        col_scale = _along(cols.scale, batch, out, c.shape)
-        clean_part = jnp.where(located, 0.0, c32)
-        from_col = on_c(cols.ref, col_term) - jnp.sum(
-            clean_part * col_scale, lhs_axes, keepdims=True
-        )
-        from_row = on_c(rows.ref, row_term) - jnp.sum(
-            clean_part * row_scale, rhs_axes, keepdims=True
-        )
-        fixed = jnp.where(located & on_c(by_col, batch), from_col / col_scale, c32)
-        fixed = jnp.where(located & on_c(by_row, batch), from_row / row_scale, fixed)
-        # Otherwise the flagged rows (or, with none, the flagged columns) are recomputed.
-        n_rows = jnp.sum(bad_row, axis=row_free)
-        by_lines = ~by_col & ~by_row
-        redo_rows = br & on_c(by_lines & (n_rows > 0), batch)
-        redo_cols = bc & on_c(by_lines & (n_rows == 0), batch)
-        fresh = jnp.einsum(
-            ct.spec, a.astype(jnp.float32), b.astype(jnp.float32), precision="highest"
-        ).astype(c.dtype)
-        fixed = jnp.where(redo_rows | redo_cols, fresh.astype(jnp.float32), fixed)
-        # The inputs themselves define a non-finite value in a flagged line: pass on what they
-        # define; this GEMM is not where the error arose.
-        upstream = jnp.any(~jnp.isfinite(fresh) & in_flagged_line, axis=line_axes)
-        fixed = jnp.where(on_c(upstream, batch) & in_flagged_line, fresh, fixed).astype(c.dtype)
-        # Counted corrected only if the repaired matrix passes both checks.
-        rows_after = line_checksums(
-            fixed,
-            a,
-            b,
-            ct,
-            "row",
-            safety=config.safety,
-            precision=precision,
-            lhs_nonnegative=lhs_nonnegative,
-        )
-        cols_after = line_checksums(
-            fixed, a, b, ct, "col", safety=config.safety, precision=precision
-        )
-        passes = jnp.all(rows_after.deviation <= rows_after.threshold, axis=row_free) & jnp.all(
-            cols_after.deviation <= cols_after.threshold, axis=col_free
-        )
-        flagged = jnp.any(bad_row, axis=row_free) | jnp.any(bad_col, axis=col_free)
-        corrected = flagged & ~upstream & passes
-        return fixed, count_outcomes(
-            jnp.sum(flagged), jnp.sum(corrected), jnp.sum(flagged & upstream)
-        )
-
-    return repair_if(jnp.any(bad_row), locate_and_correct, c)
+    dev, wdev = at_row(deviation), at_row(rows.weighted_sum - rows.weighted_ref)
+    extremes, extreme_at = at_row(rows.extremes), at_row(rows.extreme_at)
+    # A single finite error Δ at column j moves the plain sum by Δ and the weighted one by
+    # (j+1)Δ; a single extreme element is where it is.
+    ratio = jnp.round(wdev / jnp.where(dev == 0, 1.0, dev)) - 1
+    by_ratio = jnp.clip(jnp.where(jnp.isfinite(ratio), ratio, 0), 0, n_line - 1).astype(jnp.int32)
+    column = jnp.where(extremes > 0, extreme_at, by_ratio)
+    locatable = (extremes <= 1) & ((extremes == 1) | (jnp.isfinite(ratio) & (dev != 0)))
+    # One index tuple per matrix: batch letters from the matrix's position, the others from the
+    # row and column. Flattened over the batch so the gathers and the scatter are one each.
+    n_batch = math.prod(batch_shape)
+    flat = {x: i.reshape(-1) for x, i in _unravel(jnp.arange(n_batch), ct.batch, dims).items()}
+    at = {
+        **flat,
+        **{x: i.reshape(-1) for x, i in _unravel(row, ct.lhs_free, dims).items()},
+        **{x: i.reshape(-1) for x, i in _unravel(column, ct.rhs_free, dims).items()},
+    }
+    lhs_lines = _gather_lines(a, ct.lhs, {x: at[x] for x in ct.lhs if x in at}, ct.contracted)
+    rhs_lines = _gather_lines(b, ct.rhs, {x: at[x] for x in ct.rhs if x in at}, ct.contracted)
+    acc = jnp.promote_types(jnp.float32, jnp.result_type(a.dtype, b.dtype))
+    z = next(x for x in string.ascii_letters if x not in ct.lhs + ct.rhs)
+    lhs_k = "".join(x for x in ct.lhs if x in ct.contracted)
+    rhs_k = "".join(x for x in ct.rhs if x in ct.contracted)
+    exact = jnp.einsum(
+        f"{z}{lhs_k},{z}{rhs_k}->{z}",
+        lhs_lines.astype(acc),
+        rhs_lines.astype(acc),
+        precision=lax.Precision.HIGHEST,
+    ).astype(c.dtype)  # rounded as the GEMM rounds its output
+    index = tuple(at[x] for x in ct.out)
+    old = c[index]
+    # The row after the fix, in scaled units: the old element leaves the sums, the exact one
+    # enters; the threshold follows Σ|c| of a low-precision C.
+    scale = rows.scale.reshape(-1)
+    old32, new32 = old.astype(jnp.float32) * scale, exact.astype(jnp.float32) * scale
+    bound = _element_bound(at_row(rows.magnitude), n_line).reshape(-1)
+    was_extreme = ~(jnp.abs(old32) <= bound)
+    old_ordinary = jnp.where(was_extreme, 0.0, old32)
+    dev_after = dev.reshape(-1) - old_ordinary + new32
+    threshold_after = at_row(rows.threshold).reshape(-1)
+    u_out = unit_roundoff(c.dtype)
+    if u_out > unit_roundoff(jnp.float32):
+        moved = jnp.abs(new32) - jnp.abs(old_ordinary)
+        threshold_after = threshold_after + config.safety * _rounding_of(u_out) * moved
+    passes = (
+        (jnp.abs(dev_after) <= threshold_after)
+        & (extremes.reshape(-1) - was_extreme == 0)
+        & locatable.reshape(-1)
+        & jnp.isfinite(exact)
+    )
+    single = (jnp.sum(bad, axis=-1) == 1).reshape(-1)
+    upstream = upstream | (detected & ~jnp.isfinite(exact).reshape(batch_shape))
+    fix = detected.reshape(-1) & single & passes & ~upstream.reshape(-1)
+    # A scatter of one element per matrix: C is updated in place where it has no other use.
+    fixed = c.at[index].set(jnp.where(fix, exact, old), unique_indices=True)
+    corrected = jnp.sum(fix)
+    return fixed, count_outcomes(jnp.sum(detected), corrected, jnp.sum(upstream))
