@@ -25,7 +25,8 @@ from rich.console import Console
 from rich.table import Table
 from timing import interleaved, per_call
 
-from sdcguard.protection import abft, checksums
+from sdcguard.protection import checksums
+from sdcguard.protection.gemm import in_dot_order
 
 GEMMS = {
     "query projection": "bqD,Dhd->bqhd",
@@ -60,7 +61,7 @@ def main() -> None:
             ("grad_lhs", forward.grad_lhs()),
             ("grad_rhs", forward.grad_rhs()),
         ):
-            ct = abft._in_dot_order(ct)  # the order the library checks in
+            ct = in_dot_order(ct)  # the order the library checks in
             a = jax.random.normal(key_a, [DIMS[c] for c in ct.lhs])
             b = jax.random.normal(key_b, [DIMS[c] for c in ct.rhs])
             gemm = f"{name} {which}"

@@ -12,7 +12,6 @@ from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.protection.abft import (
     NUM_COUNTERS,
     ABFTConfig,
-    _in_dot_order,
     check_softmax_rows,
     checked_dot_general,
     checked_einsum,
@@ -27,6 +26,7 @@ from sdcguard.protection.checksums import (
     repair_if,
     roundoff_gamma,
 )
+from sdcguard.protection.gemm import in_dot_order
 
 SPEC = "bhqd,bhkd->bhqk"  # the scores GEMM
 SITE = "t:scores"
@@ -329,7 +329,7 @@ def attention_gemm(gemm, which, seed):
     """The contraction of one attention GEMM in dot order, and random operands for it."""
     forward = Contraction.parse(ATTENTION_GEMMS[gemm], 4, 4)
     ct = {"forward": forward, "grad_lhs": forward.grad_lhs(), "grad_rhs": forward.grad_rhs()}
-    ct = _in_dot_order(ct[which])
+    ct = in_dot_order(ct[which])
     ka, kb = jax.random.split(jax.random.key(seed))
     a = jax.random.normal(ka, [ATTENTION_DIMS[x] for x in ct.lhs])
     b = jax.random.normal(kb, [ATTENTION_DIMS[x] for x in ct.rhs])

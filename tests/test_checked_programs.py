@@ -97,7 +97,9 @@ def test_include_and_exclude_select_sites():
     sites = {s.name: s for s in list_sites(grad_step, W, X, config=config)}
     checked = {n for n, s in sites.items() if s.checked}
     assert checked == {"stack_loss/layer/<lambda>:dot_general.grad_rhs"}
-    assert {s.why_unchecked for s in sites.values() if not s.checked} == {"excluded"}
+    assert {s.why_unchecked for s in sites.values() if not s.checked} == {
+        "excluded by include/exclude"
+    }
     _, report = jax.jit(sdcguard.checked(grad_step, config))(W, X)
     assert set(report) == checked
     with pytest.raises(TypeError, match="tuple of glob patterns"):
@@ -111,7 +113,10 @@ def test_integer_gemms_pass_through_unchecked_and_are_listed():
     a = jnp.arange(12, dtype=jnp.int8).reshape(3, 4)
     b = jnp.ones((4, 2), jnp.int8)
     sites = list_sites(fn, a, b, X)
-    assert [(s.checked, s.why_unchecked) for s in sites] == [(False, "int8 operands"), (True, "")]
+    assert [(s.checked, s.why_unchecked) for s in sites] == [
+        (False, "int8 operands (integer and fp8 GEMMs pass through)"),
+        (True, ""),
+    ]
     out, report = jax.jit(sdcguard.checked(fn))(a, b, X)
     assert list(report) == [sites[1].name]
     assert_close(out, fn(a, b, X), jnp.float32)

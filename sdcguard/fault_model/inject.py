@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -42,6 +43,7 @@ from sdcguard.fault_model.sites import (
     is_output_site,
     output_site_name,
     site_id,
+    site_name_of,
     split_site,
 )
 
@@ -253,6 +255,57 @@ def restrict_sites(
         _RESTRICTION.reset(token)
 
 
+_INJECTION_POINTS: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "sdcguard_injection_points", default=None
+)
+
+
+@contextlib.contextmanager
+def recording_injection_points(points: set[str]) -> Iterator[set[str]]:
+    """While tracing inside the block, adds the name of every site that gets an injection point
+    to ``points`` (armed or not, with or without a plan).
+
+    Example:
+      >>> with recording_injection_points(set()) as points:
+      ...     jax.make_jaxpr(step)(params, batch)
+    """
+    token = _INJECTION_POINTS.set(points)
+    try:
+        yield points
+    finally:
+        _INJECTION_POINTS.reset(token)
+
+
+def raise_if_unmatched(plan: FaultPlan | None, sites: Iterable[str]) -> None:
+    """Makes the step fail when a fault of ``plan`` fires now at a site that is not in
+    ``sites`` (the injection points of the step): a misspelt site would otherwise never be
+    injected, and the run would look like a fault that was caught.
+
+    Plans are data, so this is decided when the step runs: a host callback raises a
+    ``ValueError`` that names the sites (with close matches among ``sites``). It runs only while
+    a plan is set: steps without fault injection are unchanged.
+    """
+    if plan is None or plan.num_faults == 0:
+        return
+    sites = sorted(set(sites))
+    known = jnp.asarray([site_id(s) for s in sites] or [-2], jnp.int32)
+    fires_now = (plan.site >= 0) & ((plan.step < 0) | (plan.step == plan.current_step))
+    unmatched = fires_now & ~jnp.isin(plan.site, known)
+
+    def report(unmatched, ids):
+        if not unmatched.any():
+            return
+        names = sorted({site_name_of(i) for i in ids[unmatched]})
+        close = {n: difflib.get_close_matches(n, sites, n=3, cutoff=0.4) for n in names}
+        raise ValueError(
+            f"fault plan targets {names}, which match no injection point of this step; close "
+            f"matches: {close}. sdcguard.list_sites(step, ...) lists the GEMM sites; "
+            "ABFTConfig(allow_unmatched=True) accepts faults aimed elsewhere."
+        )
+
+    jax.debug.callback(report, unmatched, plan.site)
+
+
 def apply(
     x: jax.Array, plan: FaultPlan | None, site: str, *, axes: tuple[int, ...] | None = None
 ) -> jax.Array:
@@ -328,6 +381,9 @@ def apply_in_block(
     """
     global_shape = c.shape if global_shape is None else tuple(global_shape)
     size = math.prod(global_shape)
+    points = _INJECTION_POINTS.get()
+    if points is not None:
+        points.add(site)
     armed, sizes, dtypes = _RESTRICTION.get()
     if sizes is not None:
         sizes.setdefault(site, int(size))

@@ -144,7 +144,19 @@ def backward_site_names(forward_site: str) -> tuple[str, str]:
 
 def site_id(name: str) -> int:
     """Stable non-negative int32 identifier of a site name (CRC-32, top bit cleared)."""
-    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+    sid = zlib.crc32(name.encode()) & 0x7FFFFFFF
+    _NAMES_SEEN.setdefault(sid, name)
+    return sid
+
+
+# A cache, not state: the names whose ids this process computed, so that an error about a fault
+# plan (which holds ids only) can name the site the user wrote.
+_NAMES_SEEN: dict[int, str] = {}
+
+
+def site_name_of(sid: int) -> str:
+    """The name of a site id computed in this process by :func:`site_id`, else ``'#<id>'``."""
+    return _NAMES_SEEN.get(int(sid), f"#{int(sid)}")
 
 
 def attention_site_names(attn_path: Sequence[str] | str, *, backward: bool = True) -> list[str]:

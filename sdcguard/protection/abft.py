@@ -24,7 +24,6 @@ from sdcguard.protection import sharding
 from sdcguard.protection.checksums import (
     Contraction,
     axes_of,
-    check_contraction,
     dot_general_to_einsum,
     repair_if,
     unit_roundoff,
@@ -39,6 +38,7 @@ from sdcguard.protection.config import (
     zero_counts,
     zero_sink,
 )
+from sdcguard.protection.gemm import checked_gemm, dot, in_dot_order
 
 __all__ = [
     "COUNTER_NAMES",
@@ -150,88 +150,33 @@ class _Static:
     lhs_nonnegative: bool = False
 
 
-def _in_dot_order(ct: Contraction) -> Contraction:
-    """``ct`` with its output in ``lax.dot_general``'s order: batch, lhs free, rhs free."""
-    lhs_free = "".join(c for c in ct.lhs if c in ct.out and c not in ct.rhs)
-    rhs_free = "".join(c for c in ct.rhs if c in ct.out and c not in ct.lhs)
-    return Contraction(ct.lhs, ct.rhs, ct.batch + lhs_free + rhs_free)
-
-
-def _dot(st: _Static, ct: Contraction, a, b):
-    """The GEMM of ``ct``, whose output must be in dot order (see :func:`_in_dot_order`)."""
-    dimension_numbers = (
-        (axes_of(ct.lhs, ct.contracted), axes_of(ct.rhs, ct.contracted)),
-        (axes_of(ct.lhs, ct.batch), axes_of(ct.rhs, ct.batch)),
-    )
-    dtype = jnp.result_type(a, b)
-    return jax.lax.dot_general(
-        a.astype(dtype),
-        b.astype(dtype),
-        dimension_numbers,
-        precision=st.precision,
-        preferred_element_type=st.preferred_element_type,
-    )
-
-
-def _as_stored(x: jax.Array) -> jax.Array:
-    """``x`` rounded to its own dtype, even where XLA would keep it in float32.
-
-    XLA may keep a bf16/fp16 intermediate in float32 (``xla_allow_excess_precision``), and then
-    the GEMM and the checksums can read different values of one operand. Rounding it once, here,
-    gives both the same operand (a no-op when XLA already rounded it).
-    """
-    info = jnp.finfo(x.dtype)
-    if info.bits >= 32:
-        return x
-    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-
-
 def _gemm(st: _Static, ct: Contraction, a, b, plan, site: str, check: bool, lhs_nonnegative: bool):
-    if st.config.resolved_implementation() == "pallas":
-        from sdcguard.protection.pallas import (
-            matmul as pallas_matmul,  # lazy: Pallas is a heavy import
-        )
+    """One GEMM of the checked einsum (forward or gradient) through the one checked GEMM.
 
-        return pallas_matmul.checked_contraction(
-            a,
-            b,
-            ct,
-            config=st.config,
-            site=site,
-            plan=plan,
-            check=check,
-            precision=st.precision,
-            preferred_element_type=st.preferred_element_type,
-        )
-    a, b = _as_stored(a), _as_stored(b)
-    # Injected into, checked and repaired in the dot's own output order, and transposed to the
-    # einsum's order only after the repair loop: a transposed GEMM output entering the loop
-    # would be copied into the loop's layout (4 copies of 2 MB per layer of the bench GPT).
-    stored = _in_dot_order(ct)
-    site_axes = tuple(ct.out.index(x) for x in stored.out)
-
-    def local(a, b, plan, block):
-        # The GEMM each device computes, on the blocks it holds (sdcguard.protection.sharding).
-        c = block.inject(_dot(st, stored, a, b), plan, site, site_axes)
-        if not check:
-            return c, zero_counts()
-        return check_contraction(
-            c,
-            a,
-            b,
-            stored,
-            config=st.config,
-            precision=st.precision,
-            lhs_nonnegative=lhs_nonnegative,
-        )
-
+    It is computed, injected into, checked and repaired in the dot's own output order, and
+    transposed to the einsum's order only after the check.
+    """
+    stored = in_dot_order(ct)
     mesh = sharding.device_mesh(a, b)
     if not (check or plan is not None or sharding.has_explicit_axes(mesh)):
         # Nothing to check or inject: a plain GEMM, placed by XLA's propagation. Explicit axes
         # need the shard-local path even so: a gradient GEMM contracted over a sharded axis
         # has no output sharding JAX can infer.
         mesh = None
-    c, counts = sharding.shard_local(local, a, b, plan, stored, mesh=mesh)
+    c, counts = checked_gemm(
+        a,
+        b,
+        stored,
+        site=site,
+        config=st.config,
+        check=check,
+        plan=plan,
+        precision=st.precision,
+        preferred_element_type=st.preferred_element_type,
+        lhs_nonnegative=lhs_nonnegative,
+        site_axes=tuple(ct.out.index(x) for x in stored.out),
+        mesh=mesh,
+    )
     if mesh is not None:
         # One row per device, summed here: a tiny all-reduce that depends on nothing but the
         # checks, so XLA can combine those of the whole step (scripts/bench_sharding.py). An
@@ -272,8 +217,9 @@ def _tangent_impl(*args, st: _Static, n_plan: int, levels: tuple):
         return jax.vmap(inner, in_axes=[0 if m else None for m in levels[-1]])(*args)
     a, b = args[:2]
     da, db, _ = args[2 + n_plan :]
-    stored = _in_dot_order(st.contraction)
-    dc = _dot(st, stored, da, b) + _dot(st, stored, a, db)
+    stored = in_dot_order(st.contraction)
+    kw = dict(precision=st.precision, preferred_element_type=st.preferred_element_type)
+    dc = dot(stored, da, b, **kw) + dot(stored, a, db, **kw)
     return jnp.transpose(dc, [stored.out.index(x) for x in st.contraction.out])
 
 

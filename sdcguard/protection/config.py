@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from sdcguard.fault_model.sites import ATTENTION_SITES, NEAR_INF
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
+# Fields of ABFTConfig that only sdcguard.checked reads.
+_CHECKED_ONLY = ("include", "exclude", "recompute", "per_iteration", "allow_unmatched")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,6 +42,16 @@ class ABFTConfig:
         detection is computed again from the same arguments with in-place repair.
       per_iteration: for :func:`sdcguard.checked`: one row of counters per ``scan`` iteration
         instead of their sum.
+      allow_unmatched: for :func:`sdcguard.checked`: accept ``include``/``exclude`` patterns and
+        fault-plan sites that match no GEMM of the function (by default each is an error that
+        names it, with close matches).
+
+    Which code reads which field: the drop-in attention layers read ``sites`` and the check's
+    settings (``forward``, ``backward``, ``correct``, ``safety``, ``near_inf``,
+    ``implementation``); :func:`sdcguard.checked` reads the check's settings and ``include``,
+    ``exclude``, ``recompute``, ``per_iteration``, ``allow_unmatched``. Each refuses a config
+    that sets a field it does not read (:meth:`validate_for_layers`,
+    :meth:`validate_for_checked`), so no setting is silently ignored.
 
     Example:
       >>> cfg = ABFTConfig(sites=("scores", "context"), backward=False)
@@ -56,6 +68,7 @@ class ABFTConfig:
     exclude: tuple[str, ...] = ()
     recompute: bool = False
     per_iteration: bool = False
+    allow_unmatched: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "sites", tuple(self.sites))
@@ -83,6 +96,28 @@ class ABFTConfig:
             )
         if not self.near_inf > 0:
             raise ValueError(f"near_inf must be positive, got {self.near_inf}")
+
+    def validate_for_layers(self) -> ABFTConfig:
+        """``self``, or an error naming the fields only :func:`sdcguard.checked` reads."""
+        defaults = ABFTConfig()
+        ignored = [f for f in _CHECKED_ONLY if getattr(self, f) != getattr(defaults, f)]
+        if ignored:
+            raise ValueError(
+                f"ABFTConfig fields {ignored} are read by sdcguard.checked only; the drop-in "
+                "attention layers select their sites with sites=(...) and repair in place "
+                "(training.TrainConfig(repair='recompute') recomputes a step with a detection)"
+            )
+        return self
+
+    def validate_for_checked(self) -> ABFTConfig:
+        """``self``, or an error naming the fields only the drop-in layers read."""
+        if self.sites != ATTENTION_SITES:
+            raise ValueError(
+                f"ABFTConfig(sites={self.sites!r}) selects the sites of the drop-in attention "
+                "layers; sdcguard.checked selects GEMMs by name with include=/exclude= glob "
+                "patterns instead, e.g. include=('*attn:scores*',) (see sdcguard.list_sites)"
+            )
+        return self
 
     def checks(self, site: str, *, backward: bool = False) -> bool:
         """Whether ``site`` is checked in the given direction."""

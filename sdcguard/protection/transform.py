@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import difflib
 import fnmatch
 import functools
 from collections.abc import Callable, Sequence
@@ -46,28 +47,29 @@ from jax._src import source_info_util
 from jax.extend import core as jex_core
 
 from sdcguard.fault_model import inject
-from sdcguard.in_place import apply_if
-from sdcguard.protection import abft, checksums, naming, sharding
-from sdcguard.protection.abft import NUM_COUNTERS, ABFTConfig
+from sdcguard.protection import checksums, gemm, naming, sharding
+from sdcguard.protection.config import NUM_COUNTERS, ABFTConfig, unsafe_checks
 
 __all__ = ["GemmSite", "checked", "list_sites", "total"]
 
 Report = dict[str, jax.Array]
 
-_FLOAT_KINDS = {"f"}
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GemmSite:
-    """One ``dot_general`` of the program.
+    """One GEMM site of the program: a ``dot_general`` (or several that share a name: a layer
+    called in a loop, a recomputation under remat), or a fused kernel that holds GEMMs.
 
     Attributes:
-      name: the site name (what fault plans and the report use).
+      name: the site name (what fault plans, ``include``/``exclude`` and the report use).
       direction: ``'forward'``, ``'grad_lhs'`` or ``'grad_rhs'``.
-      lhs_shape, rhs_shape, out_shape: the GEMM's shapes.
-      dtype: the operands' dtype.
-      checked: whether ``checked`` verifies it (floating point, selected by the config).
-      why_unchecked: ``''`` when checked, else the reason (``'int8 operands'``, ``'excluded'``).
+      lhs_shape, rhs_shape, out_shape: the GEMM's shapes (empty for a fused kernel).
+      dtype: the operands' dtype (``'bfloat16'``, or ``'bfloat16 x float32'`` when they differ).
+      checked: whether ``checked`` verifies it; then it is in every report of the step.
+      why_unchecked: ``''`` when checked, else the reason (``'int8 operands'``, ``'excluded by
+        include/exclude'``, ``'inside pallas_call, which sdcguard.checked does not open'``, ...).
+      implementation: ``'xla'`` or ``'pallas'`` when checked (see
+        :func:`sdcguard.protection.gemm.implementation_for`), else ``''``.
     """
 
     name: str
@@ -78,6 +80,12 @@ class GemmSite:
     dtype: str
     checked: bool
     why_unchecked: str
+    implementation: str = ""
+
+
+# Primitives that run GEMMs inside one fused kernel (no jaxpr to open): cuDNN attention, custom
+# calls. A step that uses them has GEMMs the transform cannot see; list_sites says so.
+_FUSED_GEMM_PRIMITIVES = ("dot_product_attention", "cudnn", "cublas", "custom_call")
 
 
 def _selected(name: str, config: ABFTConfig) -> bool:
@@ -85,37 +93,144 @@ def _selected(name: str, config: ABFTConfig) -> bool:
     return included and not any(fnmatch.fnmatchcase(name, p) for p in config.exclude)
 
 
-def _why_unchecked(dtype, name: str, config: ABFTConfig) -> str:
+def _checkable_dtype(dtype) -> bool:
+    """Floating point of 16 bits or more: fp16, bf16, fp32, fp64 (fp8 and integers are not)."""
     dtype = jnp.dtype(dtype)
-    if dtype.kind not in _FLOAT_KINDS or dtype.itemsize < 2:
-        return f"{dtype.name} operands"  # integer and fp8 GEMMs pass through
+    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 2
+
+
+def _dtype_name(gemm: naming.Gemm) -> str:
+    lhs, rhs = (jnp.dtype(v.aval.dtype).name for v in gemm.eqn.invars[:2])
+    return lhs if lhs == rhs else f"{lhs} x {rhs}"
+
+
+def _why_unchecked(gemm: naming.Gemm, name: str, direction: str, config: ABFTConfig) -> str:
+    operands = [v.aval.dtype for v in gemm.eqn.invars[:2]]
+    if not all(_checkable_dtype(d) for d in operands):
+        # Integer and fp8 GEMMs pass through: the checksum model is for floating GEMMs that
+        # accumulate in float32 or wider.
+        return f"{_dtype_name(gemm)} operands (integer and fp8 GEMMs pass through)"
+    if direction == "forward" and not config.forward:
+        return "forward GEMMs not selected (forward=False)"
+    if direction != "forward" and not config.backward:
+        return "gradient GEMMs not selected (backward=False)"
     if not _selected(name, config):
-        return "excluded"
+        return "excluded by include/exclude"
     return ""
 
 
-def _site_table(
-    jaxpr, config: ABFTConfig, input_paths: Sequence[str] = ()
-) -> tuple[dict[int, tuple[str, str]], list[GemmSite]]:
+def _not_run_checked(jaxpr) -> dict[int, str]:
+    """``id(eqn) -> why`` for the dot_generals the evaluator runs unchecked or not at all: in a
+    loop's condition, in a primitive it does not open, in the parts of a linear solve that the
+    (already differentiated) step does not run."""
+    out: dict[int, str] = {}
+
+    def all_in(sub, why):
+        out.update({id(g.eqn): why for g in naming.collect_gemms(sub)})
+
+    for eqn in jaxpr.eqns:
+        prim = eqn.primitive.name
+        if prim == "while":
+            all_in(eqn.params["cond_jaxpr"].jaxpr, "in a while loop's condition (run unchecked)")
+            out.update(_not_run_checked(eqn.params["body_jaxpr"].jaxpr))
+        elif prim == "custom_linear_solve":
+            for part, closed in eqn.params["jaxprs"]._asdict().items():
+                if closed is None:
+                    continue
+                if part == "solve":
+                    out.update(_not_run_checked(closed.jaxpr))
+                else:
+                    all_in(
+                        closed.jaxpr,
+                        f"in custom_linear_solve's {part}, which the step does not run",
+                    )
+        elif hasattr(_Evaluator, "_" + prim):
+            for sub in naming.sub_jaxprs(eqn):
+                out.update(_not_run_checked(sub))
+        else:
+            for sub in naming.sub_jaxprs(eqn):
+                all_in(sub, f"inside {prim}, which sdcguard.checked does not open")
+    return out
+
+
+def _fused_gemm_sites(jaxpr, outer: str = "") -> list[GemmSite]:
+    """A site for each fused GEMM kernel of the program (cuDNN attention, custom calls)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        stack = "/".join(p for p in (outer, str(eqn.source_info.name_stack)) if p)
+        prim = eqn.primitive.name
+        if any(k in prim for k in _FUSED_GEMM_PRIMITIVES):
+            where = "/".join(p for p in stack.split("/") if p and "(" not in p) or "fn"
+            found.append(
+                GemmSite(
+                    name=f"{where}:{prim}",
+                    direction="forward",
+                    lhs_shape=(),
+                    rhs_shape=(),
+                    out_shape=tuple(eqn.outvars[0].aval.shape) if eqn.outvars else (),
+                    dtype=jnp.dtype(eqn.invars[0].aval.dtype).name if eqn.invars else "",
+                    checked=False,
+                    why_unchecked=(
+                        f"a fused kernel ({prim}) whose GEMMs sdcguard.checked cannot see; use "
+                        "the drop-in attention layers or an XLA attention implementation"
+                    ),
+                )
+            )
+        for sub in naming.sub_jaxprs(eqn):
+            found += _fused_gemm_sites(sub, stack)
+    return found
+
+
+class _SiteTable(NamedTuple):
+    names: dict[int, tuple[str, str]]  # id(eqn) -> (site name, direction)
+    why: dict[int, str]  # id(eqn) -> why it runs unchecked ('' when checked)
+    sites: list[GemmSite]  # one per name, in program order
+
+
+def _site_table(jaxpr, config: ABFTConfig, input_paths: Sequence[str] = ()) -> _SiteTable:
     names = naming.name_gemms(jaxpr, input_paths)
+    not_run = _not_run_checked(jaxpr)
+    implementation = "pallas" if config.implementation == "pallas" else "xla"
+    why_by_eqn: dict[int, str] = {}
     sites: dict[str, GemmSite] = {}
     for g in naming.collect_gemms(jaxpr):
         name, direction = names[id(g.eqn)]
-        why = _why_unchecked(g.dtype, name, config)
-        sites.setdefault(
-            name,
-            GemmSite(
-                name=name,
-                direction=direction,
-                lhs_shape=g.lhs_shape,
-                rhs_shape=g.rhs_shape,
-                out_shape=g.out_shape,
-                dtype=g.dtype.name,
-                checked=not why,
-                why_unchecked=why,
-            ),
+        why = not_run.get(id(g.eqn)) or _why_unchecked(g, name, direction, config)
+        why_by_eqn[id(g.eqn)] = why
+        site = GemmSite(
+            name=name,
+            direction=direction,
+            lhs_shape=g.lhs_shape,
+            rhs_shape=g.rhs_shape,
+            out_shape=g.out_shape,
+            dtype=_dtype_name(g),
+            checked=not why,
+            why_unchecked=why,
+            implementation="" if why else implementation,
         )
-    return names, list(sites.values())
+        # A name some of whose GEMMs are checked is a checked site (it is in the report).
+        if name not in sites or (site.checked and not sites[name].checked):
+            sites[name] = site
+    listed = list(sites.values()) + _fused_gemm_sites(jaxpr)
+    return _SiteTable(names, why_by_eqn, listed)
+
+
+def _validate_selection(config: ABFTConfig, names: Sequence[str]) -> None:
+    """Every ``include``/``exclude`` pattern must match a site: a typo would otherwise select
+    nothing (an unprotected step that looks protected) or exclude nothing, and say nothing."""
+    config.validate_for_checked()
+    if config.allow_unmatched:
+        return
+    for field in ("include", "exclude"):
+        for pattern in getattr(config, field):
+            if pattern != "*" and not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.4)
+                raise ValueError(
+                    f"ABFTConfig({field}=...) pattern {pattern!r} matches no GEMM site of this "
+                    f"function; close matches: {close or 'none'}. Sites are listed by "
+                    "sdcguard.list_sites(fn, *args); ABFTConfig(allow_unmatched=True) accepts "
+                    "patterns that match nothing here."
+                )
 
 
 # --- Evaluating the program with checked GEMMs --------------------------------------------------
@@ -146,10 +261,10 @@ def _add(total: dict, more: dict) -> dict:
 class _Evaluator:
     """Evaluates jaxprs with every selected dot_general checked, returning the counters."""
 
-    def __init__(self, names: dict[int, tuple[str, str]], config: ABFTConfig, mesh=None):
-        self.names = names
+    def __init__(self, table: _SiteTable, config: ABFTConfig, mesh=None):
+        self.names = table.names
+        self.why = table.why
         self.config = config
-        self.unchecked_primitives: set[str] = set()
         self.per_device: set[str] = set()  # sites whose counters are rows per device
         self.manual_axes: frozenset = frozenset()  # of the shard_map being evaluated
         # The mesh the step's inputs are sharded over under jit (None: unsharded, shard_map,
@@ -178,7 +293,7 @@ class _Evaluator:
         out = []
         for g in naming.collect_gemms(jaxpr):
             name, _ = self.names[id(g.eqn)]
-            if not _why_unchecked(g.dtype, name, self.config) and name not in out:
+            if not self.why[id(g.eqn)] and name not in out:
                 out.append(name)
         return out
 
@@ -214,43 +329,39 @@ class _Evaluator:
         rule = getattr(self, "_" + eqn.primitive.name, None)
         if rule is not None:
             return rule(eqn, invals)
-        if any(True for _ in naming.sub_jaxprs(eqn)):
-            # A higher-order primitive this transform does not open: its GEMMs run unchecked
-            # (list_sites reports them).
-            self.unchecked_primitives.add(eqn.primitive.name)
+        # Any other primitive runs as it is; GEMMs inside one that holds jaxprs run unchecked,
+        # and list_sites says so (_not_run_checked).
         return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params)), {}
 
     # dot_general: the GEMM, its injection point and its check.
     def _dot_general(self, eqn, invals):
         name, _ = self.names[id(eqn)]
         lhs, rhs = invals
-        why = _why_unchecked(eqn.invars[0].aval.dtype, name, self.config)
+        why = self.why[id(eqn)]
         params = eqn.primitive.get_bind_params(eqn.params)
-        if why == "excluded":
-            # A fault strikes a GEMM whether or not it is checked: an unchecked site keeps its
-            # injection point (a campaign's unprotected baseline is ``include=()``).
-            out = eqn.primitive.bind(lhs, rhs, **params)
-            return inject.apply(out, inject.active_plan(like=out), name), {}
         if why:
-            return eqn.primitive.bind(lhs, rhs, **params), {}
-        # One stored value of each operand for the GEMM and its checksums (see abft._as_stored).
-        lhs, rhs = abft._as_stored(lhs), abft._as_stored(rhs)
+            out = eqn.primitive.bind(lhs, rhs, **params)
+            if all(_checkable_dtype(x.dtype) for x in invals):
+                # A fault strikes a GEMM whether or not it is checked: an unchecked floating
+                # GEMM keeps its injection point (a campaign's unprotected baseline is
+                # ``include=()``).
+                out = inject.apply(out, inject.active_plan(like=out), name)
+            return out, {}
         spec = checksums.dot_general_to_einsum(lhs.ndim, rhs.ndim, params["dimension_numbers"])
         contraction = checksums.Contraction.parse(spec, lhs.ndim, rhs.ndim)
-        plan = inject.active_plan(like=lhs)
         mesh = sharding.device_mesh(lhs, rhs) if self.sharded else None
-        # Under sharding the GEMM runs on each device's blocks, so its output sharding is the
-        # blocks' (an explicit ``out_sharding`` is applied to the checked result below).
-        local_params = params if mesh is None else {**params, "out_sharding": None}
-
-        def local(a, b, plan, block):
-            out = eqn.primitive.bind(a, b, **local_params)
-            out = block.inject(out, plan, name, axes=tuple(range(out.ndim)))
-            return checksums.check_contraction(
-                out, a, b, contraction, config=self.config, precision=params.get("precision")
-            )
-
-        out, counts = sharding.shard_local(local, lhs, rhs, plan, contraction, mesh=mesh)
+        out, counts = gemm.checked_gemm(
+            lhs,
+            rhs,
+            contraction,
+            site=name,
+            config=self.config,
+            plan=inject.active_plan(like=lhs),
+            precision=params.get("precision"),
+            preferred_element_type=params.get("preferred_element_type"),
+            mesh=mesh,
+        )
+        out = out.astype(eqn.outvars[0].aval.dtype)
         if mesh is not None and params.get("out_sharding") is not None:
             out = jax.sharding.reshard(out, params["out_sharding"])
         if self.sharded:
@@ -260,6 +371,15 @@ class _Evaluator:
                 counts = sharding.as_rows(jnp.sum(counts, axis=0), self.mesh)
             self.per_device.add(name)
         return out, {name: counts}
+
+    def _custom_linear_solve(self, eqn, invals):
+        # The step is already differentiated: what runs is the solve, on its consts and b.
+        p = eqn.params
+        lengths, jaxprs = p["const_lengths"], p["jaxprs"]
+        start = lengths.matvec + lengths.vecmat
+        consts = invals[start : start + lengths.solve]
+        b = invals[sum(lengths) :]
+        return self.run(jaxprs.solve.jaxpr, jaxprs.solve.consts, [*consts, *b])
 
     # Calls whose bodies are evaluated in line.
     def _inline(self, eqn, invals, closed):
@@ -469,13 +589,42 @@ def _reduce(counts: dict, per_device: set[str], mesh=None) -> Report:
     return out
 
 
-def _evaluate(fn, config, args, kwargs) -> tuple[Any, Report]:
-    closed, rebuild, arrays, paths = _trace(fn, args, kwargs)
-    names, _ = _site_table(closed.jaxpr, config, paths)
-    evaluator = _Evaluator(names, config, mesh=sharding.device_mesh(*arrays))
-    outs, counts = evaluator.run(closed.jaxpr, closed.consts, arrays)
-    out = rebuild(outs)
-    return out, _reduce(counts, evaluator.per_device, evaluator.mesh)
+def _first_trip_only(plan: inject.FaultPlan | None, trip) -> inject.FaultPlan | None:
+    """``plan`` on the first computation of a step, inert on its recomputation: a fault plan
+    models a transient fault of one computation, which computing again does not meet."""
+    if plan is None:
+        return None
+    return plan._replace(site=jnp.where(trip == 0, plan.site, -1))
+
+
+def _placeholder(aval) -> jax.Array:
+    """Zeros of ``aval`` (shape, dtype, sharding and varying axes): a loop's first carry."""
+    sharding_ = getattr(aval, "sharding", None)
+    mesh = getattr(sharding_, "mesh", None)
+    explicit = mesh is not None and sharding.has_explicit_axes(mesh)
+    zeros = jax.lax.full(aval.shape, 0, aval.dtype, sharding=sharding_ if explicit else None)
+    varying = getattr(getattr(aval, "mat", None), "varying", frozenset())
+    return _varying(zeros, frozenset(varying))
+
+
+class _Program(NamedTuple):
+    traced: _Traced
+    table: _SiteTable
+    mesh: Any
+
+
+def _prepare(fn, config: ABFTConfig, args, kwargs) -> _Program:
+    traced = _trace(fn, args, kwargs)
+    table = _site_table(traced.closed.jaxpr, config, traced.paths)
+    _validate_selection(config, [s.name for s in table.sites])
+    return _Program(traced, table, sharding.device_mesh(*traced.arrays))
+
+
+def _run_checked(program: _Program, config: ABFTConfig) -> tuple[list, Report]:
+    evaluator = _Evaluator(program.table, config, mesh=program.mesh)
+    traced = program.traced
+    outs, counts = evaluator.run(traced.closed.jaxpr, traced.closed.consts, traced.arrays)
+    return outs, _reduce(counts, evaluator.per_device, evaluator.mesh)
 
 
 def _merge_recomputed(first: dict, second: dict, second_detected) -> dict:
@@ -488,46 +637,81 @@ def _merge_recomputed(first: dict, second: dict, second_detected) -> dict:
     }
 
 
+def _run_recomputing(program: _Program, config: ABFTConfig) -> tuple[list, Report]:
+    """The step once, and once more when a check left anything unsafe: one ``while`` loop of
+    one or two trips around one copy of the step (a second copy would double compile time)."""
+    plan = inject.active_plan()
+    in_place = dataclasses.replace(config, recompute=False)
+
+    def attempt(trip):
+        with inject.faults(_first_trip_only(plan, trip)):
+            return _run_checked(program, in_place)
+
+    def again(carry):
+        trip, _, first, _ = carry
+        outs, report = attempt(trip)
+        # The first trip's counters are kept to say what the recomputation corrected.
+        first = jax.tree.map(lambda f, r: jnp.where(trip == 0, r, f), first, report)
+        return trip + 1, outs, first, report
+
+    def go_on(carry):
+        trip, _, first, _ = carry
+        return (trip == 0) | ((trip == 1) & (unsafe_checks(total(first)) > 0))
+
+    outs_shape, report_shape = jax.eval_shape(lambda: attempt(jnp.int32(0)))
+    outs0 = [_placeholder(a) for a in outs_shape]
+    report0 = {s: _placeholder(a) for s, a in report_shape.items()}
+    trips, outs, first, last = jax.lax.while_loop(
+        go_on, again, (jnp.int32(0), outs0, report0, report0)
+    )
+    merged = _merge_recomputed(first, last, total(last)[0] > 0)
+    return outs, {s: jnp.where(trips > 1, merged[s], first[s]) for s in first}
+
+
 def checked(fn: Callable, config: ABFTConfig | None = None) -> Callable:
     """``fn`` with every floating-point GEMM verified (and repaired) by checksums.
 
+    Every GEMM whose operands are floating point of 16 bits or more (bf16, fp16, fp32, fp64,
+    mixed, any ``preferred_element_type``) is checked, forward and backward; integer and fp8
+    GEMMs pass through, and :func:`list_sites` says which and why. Each check is branch-free:
+    detection, location and the exact fix of one error per matrix add no control flow (each
+    ``while`` or ``conditional`` would be a host sync on XLA:GPU).
+
     Args:
       fn: any JAX-traceable function; typically a whole training step that calls ``jax.grad``.
-      config: checks and repair. ``include`` / ``exclude`` select sites by glob;
-        ``correct=False`` only detects; ``recompute=True`` detects only and, when anything was
-        detected, computes the whole of ``fn`` again from the same arguments with in-place
-        repair (a loop of zero or one trips: a clean call computes it once); ``per_iteration``
-        keeps one row of counters per ``scan`` iteration.
+      config: checks and repair. ``include`` / ``exclude`` select sites by glob (a pattern that
+        matches nothing is an error); ``forward`` / ``backward`` select by direction;
+        ``correct=False`` only detects; ``recompute=True`` also computes the whole of ``fn``
+        again, once, when a check left anything it could not correct in place (one loop of one
+        or two trips per call: a clean call computes ``fn`` once); ``per_iteration`` keeps one
+        row of counters per ``scan`` iteration.
 
     Returns:
       A function with ``fn``'s arguments returning ``(fn's outputs, report)``; ``report`` maps
       each checked site to int32 ``[detected, corrected, uncorrectable, nonfinite_input]``
       (``[iterations, 4]`` inside a scan with ``per_iteration``), with no host sync.
       Faults set by :func:`sdcguard.faults` around the call are injected at their sites,
-      checked or excluded (``include=()`` checks nothing and keeps every injection point).
+      checked or excluded (``include=()`` checks nothing and keeps every injection point); a
+      fault aimed at a site the step does not have makes the step fail, naming it.
 
     Example:
       >>> out, report = sdcguard.checked(train_step)(state, batch)
       >>> bad = sum(sdcguard.protection.abft.unsafe_checks(c) for c in report.values())
     """
     config = ABFTConfig() if config is None else config
+    config.validate_for_checked()
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        if not config.recompute:
-            return _evaluate(fn, config, args, kwargs)
-        detect = dataclasses.replace(config, correct=False, recompute=False)
-        repair = dataclasses.replace(config, correct=True, recompute=False)
-        out, counts = _evaluate(fn, detect, args, kwargs)
-        detected = total(counts)[0] > 0
-
-        def again(first):
-            _, first_counts = first
-            out2, counts2 = _evaluate(fn, repair, args, kwargs)
-            merged = _merge_recomputed(first_counts, counts2, total(counts2)[0] > 0)
-            return out2, merged
-
-        return apply_if(detected, again, (out, counts))
+        with inject.recording_injection_points(set()) as points:
+            program = _prepare(fn, config, args, kwargs)
+            if config.recompute:
+                outs, report = _run_recomputing(program, config)
+            else:
+                outs, report = _run_checked(program, config)
+        if not config.allow_unmatched:
+            inject.raise_if_unmatched(inject.active_plan(), points)
+        return program.traced.rebuild(outs), report
 
     return run
 
@@ -549,6 +733,6 @@ def list_sites(fn: Callable, *args, config: ABFTConfig | None = None, **kwargs) 
       >>> [s.name for s in list_sites(train_step, state, batch) if s.direction == "forward"]
     """
     config = ABFTConfig() if config is None else config
+    config.validate_for_checked()
     traced = _trace(fn, args, kwargs)
-    _, sites = _site_table(traced.closed.jaxpr, config, traced.paths)
-    return sites
+    return _site_table(traced.closed.jaxpr, config, traced.paths).sites
