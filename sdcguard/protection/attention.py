@@ -86,7 +86,7 @@ class SiteRecorder:
         owner: object = None,
     ):
         self.path = tuple(path)
-        self.config = config
+        self.config = config.validate_for_layers()
         self.sinks = sinks
         self.owner = owner
         self.counts = {s: jnp.zeros((NUM_COUNTERS,), jnp.int32) for s in ATTENTION_SITES}
