@@ -501,9 +501,14 @@ def _flat_index(shape: tuple[int, ...]) -> jax.Array:
 
 
 def _unravel(flat: jax.Array, letters: str, dims: dict) -> dict[str, jax.Array]:
-    """``{letter: index}`` of the row-major flat index ``flat`` over ``letters``' axes."""
-    index = jnp.unravel_index(flat, tuple(dims[c] for c in letters)) if letters else ()
-    return dict(zip(letters, index, strict=True))
+    """``{letter: index}`` of the row-major flat index ``flat`` over ``letters``' axes, uint32
+    (in bounds by construction, so no gather or scatter below needs a bounds check)."""
+    flat = flat.astype(jnp.uint32)
+    out = {}
+    for letter in reversed(letters):
+        out[letter] = flat % dims[letter]
+        flat = flat // dims[letter]
+    return out
 
 
 def _gather_lines(x: jax.Array, letters: str, at: dict[str, jax.Array], kept: str) -> jax.Array:
@@ -515,7 +520,7 @@ def _gather_lines(x: jax.Array, letters: str, at: dict[str, jax.Array], kept: st
     if not at:
         return jnp.broadcast_to(x, (size, *x.shape))
     index = tuple(at[c] if c in at else slice(None) for c in letters)
-    out = x[index]
+    out = x.at[index].get(mode="promise_in_bounds")
     picked = [i for i, c in enumerate(letters) if c in at]
     adjacent = picked == list(range(picked[0], picked[0] + len(picked)))
     # numpy's rule: adjacent advanced indices keep their place, separated ones go first.
@@ -713,10 +718,11 @@ def check_contraction(
     batch_shape = tuple(dims[x] for x in ct.batch)
     n_line = math.prod(dims[x] for x in ct.rhs_free)
     # The flagged row of each matrix (the first, when there are several: then nothing is fixed).
-    row = jnp.argmax(bad, axis=-1)
+    row = jnp.argmax(bad, axis=-1).astype(jnp.uint32)
 
     def at_row(x):
-        return jnp.take_along_axis(per_matrix(x), row[..., None], axis=-1)[..., 0]
+        x = per_matrix(x)
+        return jnp.take_along_axis(x, row[..., None], axis=-1, mode="promise_in_bounds")[..., 0]
 
     dev, wdev = at_row(deviation), at_row(rows.weighted_sum - rows.weighted_ref)
     extremes, extreme_at = at_row(rows.extremes), at_row(rows.extreme_at)
@@ -748,7 +754,7 @@ def check_contraction(
         precision=lax.Precision.HIGHEST,
     ).astype(c.dtype)  # rounded as the GEMM rounds its output
     index = tuple(at[x] for x in ct.out)
-    old = c[index]
+    old = c.at[index].get(mode="promise_in_bounds", unique_indices=True)
     # The row after the fix, in scaled units: the old element leaves the sums, the exact one
     # enters; the threshold follows Σ|c| of a low-precision C.
     scale = rows.scale.reshape(-1)
@@ -772,6 +778,8 @@ def check_contraction(
     upstream = upstream | (detected & ~jnp.isfinite(exact).reshape(batch_shape))
     fix = detected.reshape(-1) & single & passes & ~upstream.reshape(-1)
     # A scatter of one element per matrix: C is updated in place where it has no other use.
-    fixed = c.at[index].set(jnp.where(fix, exact, old), unique_indices=True)
+    fixed = c.at[index].set(
+        jnp.where(fix, exact, old), mode="promise_in_bounds", unique_indices=True
+    )
     corrected = jnp.sum(fix)
     return fixed, count_outcomes(jnp.sum(detected), corrected, jnp.sum(upstream))
