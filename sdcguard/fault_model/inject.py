@@ -379,6 +379,9 @@ def apply_in_block(
       owner: bool (traced or not): whether this device's block is the one a fault corrupts
         (False for all but one device when each holds a partial sum of the element).
     """
+    if c.ndim == 0:  # a scalar site (a dot of two vectors): its one element
+        one = apply_in_block(c.reshape(1), plan, site, owner=owner)
+        return one.reshape(())
     global_shape = c.shape if global_shape is None else tuple(global_shape)
     size = math.prod(global_shape)
     points = _INJECTION_POINTS.get()

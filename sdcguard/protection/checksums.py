@@ -693,6 +693,14 @@ def check_contraction(
       >>> c, counts = check_contraction(jnp.einsum(ct.spec, a, b), a, b, ct, config=ABFTConfig())
     """
     ct = contraction
+    if not ct.out:
+        # A dot of two vectors: one matrix of one element, as a batch of one.
+        z = next(x for x in string.ascii_letters if x not in ct.lhs + ct.rhs)
+        one = Contraction(z + ct.lhs, z + ct.rhs, z)
+        fixed, counts = check_contraction(
+            c[None], a[None], b[None], one, config=config, precision=precision
+        )
+        return fixed[0], counts
     rows = _row_check(
         c, a, b, ct, safety=config.safety, precision=precision, lhs_nonnegative=lhs_nonnegative
     )
