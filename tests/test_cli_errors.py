@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from sdcguard import cli
-from sdcguard.replay import command, nodes, trace
+from sdcguard.replay import command, nodes, report, trace
 from sdcguard.replay.record import RecordOptions, record
 
 TINY = "tests.replay_tasks:tiny"
@@ -228,7 +228,7 @@ def test_report_unwritable_after_identical_comparison_exit_2(
     def disk_full(doc, path):
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(cli, "write_json", disk_full)
+    monkeypatch.setattr(report, "write_json_file", disk_full)
     argv = ["compare", "--node-a", f"trace:{tiny_trace}", "--node-b", f"trace:{tiny_trace}"]
     assert command.main([*argv, "--json", str(tmp_path / "r.json")]) == 2
     captured = capsys.readouterr()
@@ -362,7 +362,7 @@ def test_campaign_refuses_to_mix_grids(tmp_path, monkeypatch, capsys):
     def refuse(*args, **kwargs):
         raise AssertionError("a trial ran")
 
-    monkeypatch.setattr(campaign, "_runner", refuse)
+    monkeypatch.setattr(campaign.run, "runner_for", refuse)
     args = _tiny_campaign(tmp_path, "--sites", "decoder/block_0/attn:scores", "--kinds", "nan")
     config = campaign.config_from_args(args)
     # The results file holds a trial of another grid (the same configuration, another kind).
@@ -390,7 +390,7 @@ def test_campaign_ctrl_c_exit_130_without_traceback(tmp_path, monkeypatch, capsy
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(campaign, "run_campaign", interrupted)
+    monkeypatch.setattr(campaign.command, "run_campaign", interrupted)
     args = _tiny_campaign(tmp_path)
     assert args.handler(args) == 130
     captured = capsys.readouterr()

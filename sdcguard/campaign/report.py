@@ -469,7 +469,8 @@ def plot(result: dict, out: Path) -> list[Path]:
     return written
 
 
-def _print(result: dict, console: Console) -> None:
+def print_summary(result: dict, console: Console) -> None:
+    """Prints the campaign's main table and one line per study (output sites, false positives)."""
     table = Table(title="Fault campaign: one fault per trial")
     for col in (
         "protection",

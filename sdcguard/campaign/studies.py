@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdcguard.campaign.config import CampaignConfig
-from sdcguard.campaign.trials import _runner, make_fault
+from sdcguard.campaign.trials import make_fault, runner_for
 from sdcguard.fault_model import inject
 from sdcguard.fault_model.inject import FaultPlan
 from sdcguard.fault_model.sites import ATTENTION_SITES, GEMM_SITES
@@ -145,7 +145,7 @@ def false_positives(config: CampaignConfig, dtype: str, steps: int) -> dict[str,
     """
     m = config.model_config(dtype)
     # The campaign's own compiled ABFT step when the dtype matches (no extra compilation).
-    runner = _runner(dataclasses.replace(config, dtype=dtype), "abft")
+    runner = runner_for(dataclasses.replace(config, dtype=dtype), "abft")
     state, step = runner.state, runner.step
     data = ByteBatches(batch_size=config.batch_size, seq_len=m.seq_len, seed=config.seed + 1)
     plan = FaultPlan.from_faults([], capacity=1)

@@ -235,7 +235,9 @@ class _Runner:
 _RUNNERS: dict[str, _Runner] = {}
 
 
-def _runner(config: CampaignConfig, protection: str) -> _Runner:
+def runner_for(config: CampaignConfig, protection: str) -> _Runner:
+    """The compiled configuration (protection, dtype, model...) of ``config``, made once per
+    process: its step, its warm state and its clean run."""
     key = config.trial_hash(protection) + f"|{config.batch_size}"
     if key not in _RUNNERS:
         _RUNNERS[key] = _Runner(config, protection)

@@ -17,20 +17,21 @@ import shutil
 import sys
 import tempfile
 
+from sdcguard.console import (
+    check_output_dir,
+    check_output_file,
+    comma_list,
+    error,
+    integer,
+    make_console,
+    non_negative_int,
+    one_line,
+    positive_float,
+    positive_int,
+)
 from sdcguard.replay import determinism
 
 EXIT_IDENTICAL, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
-
-
-def _csv(text: str) -> tuple[str, ...]:
-    return tuple(p.strip() for p in text.split(",") if p.strip())
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 SITES_HELP = (
@@ -57,11 +58,13 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_TASK,
         help="module:function returning a sdcguard.ReplayTask (default: the reference GPT)",
     )
-    p.add_argument("--steps", type=int, help="training steps (default: the task's)")
-    p.add_argument("--seed", type=int, help="parameter seed (default: the task's)")
+    p.add_argument("--steps", type=positive_int, help="training steps (default: the task's)")
+    p.add_argument("--seed", type=integer, help="parameter seed (default: the task's)")
     p.add_argument("--checkpoint", help="Orbax checkpoint directory of the parameters")
-    p.add_argument("--levels", type=_csv, default=LEVELS, help="comma list of " + ",".join(LEVELS))
-    p.add_argument("--sites", type=_csv, help=SITES_HELP)
+    p.add_argument(
+        "--levels", type=comma_list, default=LEVELS, help="comma list of " + ",".join(LEVELS)
+    )
+    p.add_argument("--sites", type=comma_list, help=SITES_HELP)
 
 
 def _add_node_flags(p: argparse.ArgumentParser) -> None:
@@ -80,7 +83,7 @@ def _add_node_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--timeout",
-        type=_positive,
+        type=positive_float,
         default=DEFAULT_TIMEOUT,
         metavar="SECONDS",
         help="seconds a node may take to deliver its trace before it is stopped "
@@ -118,11 +121,11 @@ def register(subparsers) -> None:
     p.add_argument("--reference", help="healthy node's trace to lock-step to ('-': stdin)")
     p.add_argument(
         "--arm",
-        type=_csv,
+        type=comma_list,
         help="sites with injection code ('-': none; default: "
         "those of --inject); compared nodes must arm the same sites",
     )
-    p.add_argument("--device", type=int, default=0, help="local device index")
+    p.add_argument("--device", type=non_negative_int, default=0, help="local device index")
     p.add_argument(
         "--stream-token",
         default="sdcguard",
@@ -150,7 +153,7 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--arm",
-        type=_csv,
+        type=comma_list,
         default=(),
         help="extra sites to compile injection "
         "code for on both nodes (default: the sites of --inject-a/-b)",
@@ -175,11 +178,11 @@ def register(subparsers) -> None:
     _add_run_flags(p)
     p.add_argument(
         "--nodes",
-        type=_csv,
+        type=comma_list,
         required=True,
         help="comma list of nodes: host names (through --launcher), local:N, trace:DIR, local",
     )
-    p.add_argument("--jobs", type=int, default=8, help="nodes run at a time (default: 8)")
+    p.add_argument("--jobs", type=positive_int, default=8, help="nodes run at a time (default: 8)")
     _add_node_flags(p)
     _add_output_flags(p, "status, exit_code, suspects, groups, one entry per node")
     p.set_defaults(handler=scan_command)
@@ -254,7 +257,6 @@ def _progress(log_lines: bool = True):
 
 
 def _message(e: BaseException) -> str:
-    from sdcguard.cli import one_line
     from sdcguard.replay.diff import FingerprintMismatch
     from sdcguard.replay.nodes import NodeError
     from sdcguard.replay.task import TaskError
@@ -275,8 +277,6 @@ def _run(args, fn, command: str) -> int:
 
     With ``--json``, the report is written on that path too (``status: error``).
     """
-    from sdcguard.cli import check_output_dir, check_output_file, error
-
     json_file = getattr(args, "json_file", None)
     json_ok = False
     try:
@@ -362,8 +362,6 @@ def compare_command(args) -> int:
 
 
 def _compare(args) -> int:
-    from rich.console import Console
-
     from sdcguard.replay import report
     from sdcguard.replay.compare import CompareOptions, compare_nodes
 
@@ -383,8 +381,8 @@ def _compare(args) -> int:
     )
     with _progress() as (update, log):
         comparison = compare_nodes(options, progress=update, log=log)
-    # Wide enough for site names when the output is not a terminal (pipes, CI logs).
-    report.render(comparison, Console(width=None if sys.stdout.isatty() else 160))
+    # Off a terminal (pipes, CI logs) no table is cut at 80 columns.
+    report.render(comparison, make_console())
     code = EXIT_IDENTICAL if comparison.identical else EXIT_DIVERGED
     if args.keep and not args.out:
         print(f"kept the traces: {comparison.a['trace']}, {comparison.b['trace']}", file=sys.stderr)
@@ -402,8 +400,6 @@ def scan_command(args) -> int:
 
 
 def _scan(args) -> int:
-    from rich.console import Console
-
     from sdcguard.replay import report
     from sdcguard.replay.scan import ScanOptions, scan_nodes
 
@@ -420,7 +416,7 @@ def _scan(args) -> int:
     # Many nodes: their stderr is kept for the error messages, not echoed.
     with _progress(log_lines=False) as (update, log):
         result = scan_nodes(options, progress=update, log=log)
-    report.render_scan(result, Console(width=None if sys.stdout.isatty() else 160))
+    report.render_scan(result, make_console())
     if args.keep and not args.out:
         kept = sorted({os.path.dirname(n.trace) for n in result.nodes if n.trace})
         print(f"kept the traces in {', '.join(kept)}", file=sys.stderr)

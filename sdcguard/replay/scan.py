@@ -29,6 +29,7 @@ import os
 import re
 import time
 
+from sdcguard.console import one_line
 from sdcguard.replay import determinism, diff, nodes
 from sdcguard.replay.compare import workdir as make_workdir
 from sdcguard.replay.record import RecordOptions, check_options
@@ -177,8 +178,6 @@ def check(options: ScanOptions) -> list[nodes.Node]:
 
 def _reason(e: Exception) -> str:
     """Why a node failed, in one line (the type too when it is not an expected error)."""
-    from sdcguard.cli import one_line
-
     if isinstance(e, ValueError | OSError):  # NodeError, TaskError, TraceError among them
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
         return lines[0] if lines else type(e).__name__
