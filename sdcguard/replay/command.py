@@ -49,22 +49,33 @@ SPEC_HELP = (
 )
 
 
+# The flags that say what a node runs. Their defaults are None, so that a flag the user gave
+# can be told from one left out: a command whose nodes run nothing refuses them.
+RUN_FLAGS = ("--task", "--steps", "--seed", "--checkpoint", "--levels", "--sites")
+
+
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     from sdcguard.replay.record import LEVELS
-    from sdcguard.replay.task import DEFAULT_TASK
 
     p.add_argument(
         "--task",
-        default=DEFAULT_TASK,
-        help="module:function returning a sdcguard.ReplayTask (default: the reference GPT)",
+        help="module:function returning a sdcguard.ReplayTask (default: the reference GPT, "
+        "sdcguard.replay.task:reference_task)",
     )
     p.add_argument("--steps", type=positive_int, help="training steps (default: the task's)")
     p.add_argument("--seed", type=integer, help="parameter seed (default: the task's)")
     p.add_argument("--checkpoint", help="Orbax checkpoint directory of the parameters")
     p.add_argument(
-        "--levels", type=comma_list, default=LEVELS, help="comma list of " + ",".join(LEVELS)
+        "--levels",
+        type=comma_list,
+        help="comma list of " + ",".join(LEVELS) + " (default: all)",
     )
     p.add_argument("--sites", type=comma_list, help=SITES_HELP)
+
+
+def _given_run_flags(args) -> list[str]:
+    """The flags of :data:`RUN_FLAGS` given on the command line."""
+    return [f for f in RUN_FLAGS if getattr(args, f[2:]) is not None]
 
 
 def _add_node_flags(p: argparse.ArgumentParser) -> None:
@@ -109,7 +120,14 @@ def _add_output_flags(p: argparse.ArgumentParser, what: str) -> None:
 
 def register(subparsers) -> None:
     """Adds ``record``, ``compare``, ``scan`` and ``sites`` to the ``sdcguard`` command line."""
-    p = subparsers.add_parser("record", help="run a replay task here and write its trace")
+    p = subparsers.add_parser(
+        "record",
+        help="run a replay task here and write its trace",
+        description="Runs the task on this machine (deterministic XLA flags) and writes its "
+        "trace: every submodule's inputs and outputs of step 0, the steps' losses, gradients "
+        "and parameters, and the environment's fingerprint. compare and scan read such traces "
+        "(trace:DIR) and run this command on other nodes. Exit 0 written, 2 could not record.",
+    )
     _add_run_flags(p)
     p.add_argument(
         "--out",
@@ -133,7 +151,14 @@ def register(subparsers) -> None:
     )
     p.set_defaults(handler=record_command)
 
-    p = subparsers.add_parser("compare", help="replay a task on two nodes and diff them")
+    p = subparsers.add_parser(
+        "compare",
+        help="replay a task on two nodes and diff them",
+        description="Runs the same training steps on a healthy node A and a suspect node B "
+        "(B lock-stepped to A's trace), compares every recorded tensor and names the first "
+        "submodule where they diverge. With no nodes given, compares this machine with itself "
+        "(a determinism check). Exit 0 identical, 1 B diverges from A, 2 could not compare.",
+    )
     _add_run_flags(p)
     p.add_argument("--node-a", default="local", help="healthy node (default: local)")
     p.add_argument("--node-b", default="local", help="suspect node (default: local)")
@@ -180,14 +205,22 @@ def register(subparsers) -> None:
         "--nodes",
         type=comma_list,
         required=True,
-        help="comma list of nodes: host names (through --launcher), local:N, trace:DIR, local",
+        help="comma list of nodes: host names (through --launcher), local:N (a process on "
+        "device N), trace:DIR (a recorded trace), local (this process); local and local:N may "
+        "repeat: 'local,local,local' is a scan of three runs on this machine",
     )
-    p.add_argument("--jobs", type=positive_int, default=8, help="nodes run at a time (default: 8)")
+    p.add_argument("--jobs", type=integer, default=8, help="nodes run at a time (default: 8)")
     _add_node_flags(p)
     _add_output_flags(p, "status, exit_code, suspects, groups, one entry per node")
     p.set_defaults(handler=scan_command)
 
-    p = subparsers.add_parser("sites", help="list the sites of a replay task")
+    p = subparsers.add_parser(
+        "sites",
+        help="list the sites of a replay task",
+        description="Prints every site of the task, one per line (what --inject, --inject-b "
+        "and --arm take), and on stderr the submodules that --sites patterns select among. "
+        "Traces the task only (nothing runs). Exit 0, or 2 if --match matches nothing.",
+    )
     p.add_argument(
         "--task",
         default="sdcguard.replay.task:reference_task",
@@ -202,14 +235,15 @@ def register(subparsers) -> None:
 
 
 def _record_options(args, **extra):
-    from sdcguard.replay.record import RecordOptions
+    from sdcguard.replay.record import LEVELS, RecordOptions
+    from sdcguard.replay.task import DEFAULT_TASK
 
     return RecordOptions(
-        task=args.task,
+        task=DEFAULT_TASK if args.task is None else args.task,
         steps=args.steps,
         seed=args.seed,
         checkpoint=args.checkpoint,
-        levels=args.levels,
+        levels=LEVELS if args.levels is None else args.levels,
         sites=args.sites,
         **extra,
     )
@@ -365,6 +399,13 @@ def _compare(args) -> int:
     from sdcguard.replay import report
     from sdcguard.replay.compare import CompareOptions, compare_nodes
 
+    given = _given_run_flags(args)
+    if given and args.node_a.startswith("trace:"):
+        raise ValueError(
+            f"{', '.join(given)} would be ignored: node A is a recorded trace and node B "
+            "replays what A ran (its task, steps, seed, levels, sites); drop them, or record "
+            "A with them first"
+        )
     options = CompareOptions(
         node_a=args.node_a,
         node_b=args.node_b,
@@ -403,6 +444,13 @@ def _scan(args) -> int:
     from sdcguard.replay import report
     from sdcguard.replay.scan import ScanOptions, scan_nodes
 
+    given = _given_run_flags(args)
+    if given and all(n.startswith("trace:") for n in args.nodes):
+        raise ValueError(
+            f"{', '.join(given)} would be ignored: every node is a recorded trace "
+            "(trace:DIR), which runs nothing; drop them, or add nodes that run (local, "
+            "local:N, hosts)"
+        )
     options = ScanOptions(
         nodes=args.nodes,
         record=_record_options(args),

@@ -131,7 +131,8 @@ def check_nodes(names: Sequence[str], launch: Launch) -> list[Node]:
 
     Raises:
       NodeError: a bad name, a host without a launcher, a launcher template without
-        ``{node}`` or that shlex cannot split, a remote command shlex cannot split.
+        ``{node}`` or that shlex cannot split or whose command is not found here, a remote
+        command shlex cannot split, a ``trace:`` node that holds no valid trace.
     """
     parsed = [parse_node(n) for n in names]
     if any(n.kind == "host" for n in parsed):
@@ -141,8 +142,19 @@ def check_nodes(names: Sequence[str], launch: Launch) -> list[Node]:
                 f"node {host} is a host: give --launcher (e.g. 'ssh {{node}}' or "
                 "'srun -w {node} --') to run sdcguard record there"
             )
-        launcher_argv(launch.launcher, host, [])
+        program = launcher_argv(launch.launcher, host, [])[0]
+        if "{node}" not in shlex.split(launch.launcher)[0] and shutil.which(program) is None:
+            raise NodeError(
+                f"--launcher {launch.launcher!r}: the command {program!r} is not found here; "
+                "give a command on PATH (ssh, srun) or its full path"
+            )
         _remote(launch.remote_command)
+    for node in parsed:
+        if node.kind == "trace":
+            try:
+                open_trace(node.value)  # before any node runs, not after node A's minutes
+            except TraceError as e:
+                raise NodeError(f"node {node}: {e}") from None
     return parsed
 
 
