@@ -16,7 +16,7 @@ import pytest
 
 from sdcguard import cli
 from sdcguard.replay import command, nodes, report, trace
-from sdcguard.replay.record import RecordOptions, record
+from sdcguard.replay.record import RecordOptions, record_trace
 
 TINY = "tests.replay_tasks:tiny"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,7 +28,7 @@ REMOTE = f"{sys.executable} -m sdcguard.replay.command"
 def tiny_trace(tmp_path_factory):
     """A trace of the tiny task, recorded in this process."""
     out = tmp_path_factory.mktemp("tiny") / "trace"
-    record(RecordOptions(task=TINY), str(out))
+    record_trace(RecordOptions(task=TINY), str(out))
     return str(out)
 
 
@@ -569,3 +569,33 @@ def test_scan_of_runs_on_this_machine(tmp_path, capsys):
     # A host or a trace twice is still a mistake.
     assert command.main(["scan", "--nodes", "n1,n1", "--launcher", "ssh {node}"]) == 2
     assert "only local and local:N may repeat" in capsys.readouterr().err
+
+
+def test_every_subcommand_has_a_description():
+    missing = [name for name, sub in _subparsers(cli.build_parser()) if not sub.description]
+    assert missing == []
+
+
+def test_version_and_python_dash_m(capsys):
+    import sdcguard
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"sdcguard {sdcguard.__version__}\n"
+    # `python -m sdcguard` is the same command line as `sdcguard`.
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdcguard", "--version"],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(HERE),
+        timeout=120,
+    )
+    assert proc.returncode == 0 and proc.stdout == f"sdcguard {sdcguard.__version__}\n"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdcguard", "campaign", "--trials", "0"],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(HERE),
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "argument --trials: must be >= 1" in proc.stderr

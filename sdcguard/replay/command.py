@@ -341,7 +341,7 @@ def record_command(args) -> int:
 
 def _record(args) -> int:
     from sdcguard.replay.nodes import progress_line
-    from sdcguard.replay.record import open_trace, record
+    from sdcguard.replay.record import open_trace, record_trace
     from sdcguard.replay.trace import (
         check_token,
         clean_stale,
@@ -376,12 +376,12 @@ def _record(args) -> int:
             def progress(phase, done, total):
                 print(progress_line(phase, done, total), file=sys.stderr, flush=True)
 
-            manifest = record(options, out, reference=reference, progress=progress)
+            manifest = record_trace(options, out, reference=reference, progress=progress)
             write_trace_frames(out, stream, args.stream_token)
             stream.close()
         else:
             with _progress() as (update, _):
-                manifest = record(
+                manifest = record_trace(
                     options, out, reference=reference, progress=lambda *a: update("record", *a)
                 )
             print(f"wrote trace {args.out} ({len(manifest['arrays'])} arrays)", file=sys.stderr)

@@ -165,7 +165,9 @@ def compare_nodes(options: CompareOptions, *, progress=None, log=None) -> diff.C
             if node_a.kind == "trace" and node_b.kind != "trace":
                 opts_b = _replay_options(trace_a, opts_b.inject)  # checked by check()
             trace_b = run(node_b, opts_b, "b", reference=trace_a)
-            comparison = diff.compare(trace_a, trace_b, allow_mismatch=options.allow_mismatch)
+            comparison = diff.compare_traces(
+                trace_a, trace_b, allow_mismatch=options.allow_mismatch
+            )
             if removed:  # the traces go with the temporary directory
                 for summary, node in ((comparison.a, node_a), (comparison.b, node_b)):
                     if node.kind != "trace":

@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from sdcguard.replay.record import RecordOptions, open_trace, record
+from sdcguard.replay.record import RecordOptions, open_trace, record_trace
 from sdcguard.replay.trace import (
     Trace,
     TraceError,
@@ -480,7 +480,7 @@ def run_node(
         return open_trace(node.value)
     if node.kind == "local":
         # A failed record leaves nothing (and a trace already at ``out`` untouched).
-        record(options, out, reference=reference, progress=progress)
+        record_trace(options, out, reference=reference, progress=progress)
         return open_trace(out)
     token = secrets.token_hex(8)
     if node.kind == "device":

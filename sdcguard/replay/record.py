@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -261,7 +262,7 @@ def _write_tree(writer: TraceWriter, prefix: str, named: dict) -> None:
         writer.add(f"{prefix}/{name}", np.asarray(x))
 
 
-def record(
+def record_trace(
     options: RecordOptions,
     out: str,
     *,
@@ -287,6 +288,17 @@ def record(
         raise ValueError(f"device {options.device} does not exist here ({len(devices)} devices)")
     with jax.default_device(devices[options.device]):
         return _record(task, options, out, reference, progress)
+
+
+def record(*args, **kwargs) -> dict:
+    """Deprecated name of :func:`record_trace` (it shadowed this module in ``sdcguard.replay``)."""
+    warnings.warn(
+        "sdcguard.replay.record.record (sdcguard.record) is deprecated and will be removed in "
+        "the next release: call sdcguard.replay.record_trace (same arguments)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return record_trace(*args, **kwargs)
 
 
 def _input_hashes(params, opt_state, batches) -> dict[str, str]:

@@ -370,7 +370,7 @@ def _explain_suspects(options, results, traces, majority_nodes, pool, run) -> No
     }
     for i in suspects:
         try:
-            free = diff.compare(reference, traces[i])
+            free = diff.compare_traces(reference, traces[i])
         except ValueError as e:  # FingerprintMismatch, TraceError: the traces say why
             results[i].error = str(e).splitlines()[0]
             free = None
@@ -379,7 +379,7 @@ def _explain_suspects(options, results, traces, majority_nodes, pool, run) -> No
             continue
         try:
             rerun, _ = reruns[i].result()
-            results[i].comparison = diff.compare(reference, rerun)
+            results[i].comparison = diff.compare_traces(reference, rerun)
         except Exception as e:
             results[i].rerun_error = _reason(e)
         if results[i].comparison is not None and results[i].comparison.identical:
