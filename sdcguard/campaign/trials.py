@@ -29,7 +29,8 @@ from sdcguard.training import UNCHECKED, UNCHECKED_GEMMS, TrainConfig, TrainStat
 # --- The training step of one configuration ----------------------------------------------------
 
 
-def _abft_config(protection: str, coverage: str) -> ABFTConfig:
+def abft_config(protection: str, coverage: str) -> ABFTConfig:
+    """The checks of a protection level: none for ``off`` (injection points only), else all."""
     if protection == "off":
         return UNCHECKED_GEMMS if coverage == "every_gemm" else UNCHECKED
     return ABFTConfig()
@@ -62,7 +63,7 @@ def make_step(
         model=model_config,
         learning_rate=learning_rate,
         seed=seed,
-        abft=_abft_config(protection, coverage),
+        abft=abft_config(protection, coverage),
         model_kind=model_kind,
         coverage=coverage,
         output_sites=tuple(output_sites),
