@@ -128,11 +128,7 @@ def _print(result: dict, console: Console) -> None:
         table.add_column(col, justify="right")
     steps = sorted({*range(0, result["steps"], 25), result["steps"] - 1, *fault_steps})
     for i in (s for s in steps if s < result["steps"]):
-        fault = ", ".join(
-            f"{f['kind']} @ {f['site'].split('/', 1)[1]}"
-            for f in result["faults"]
-            if f["step"] == i
-        )
+        fault = ", ".join(f"{f['kind']} @ {f['site']}" for f in result["faults"] if f["step"] == i)
         table.add_row(
             str(i),
             *(f"{losses[k][i]:.4f}" for k in ("clean", "unprotected", "protected")),

@@ -311,3 +311,30 @@ def test_false_positives_of_unchecked_gemms_count_zero(tmp_path, monkeypatch):
     monkeypatch.setattr(studies, "list_sites", one_phantom)
     fp = studies.false_positives(config, "fp32", 2)
     assert fp["why_unchecked"] == {"listed as checked, absent from the report": 2}
+
+
+def test_campaign_output_in_a_log_is_whole(tmp_path, monkeypatch):
+    """``sdcguard campaign > log``: whole headers (not ``protec…``) and progress lines."""
+    import sys
+
+    log = tmp_path / "campaign.log"
+    argv = [
+        *("campaign", "--layers", "1", "--d-model", "32", "--heads", "4", "--seq-len", "16"),
+        *("--batch-size", "2", "--trials", "1", "--fp-steps", "0", "--propagation-trials", "0"),
+        *("--sites", SCORES, "--kinds", "nan", "--protection", "off", "abft"),
+        *("--warmup", "1", "--steps-after", "2", "--out", str(tmp_path / "c")),
+    ]
+    with open(log, "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)  # what `> campaign.log` gives the command
+        from sdcguard import cli
+
+        code = cli.main(argv)
+    text = log.read_text()
+    assert code == 0, text
+    assert "…" not in text and "\x1b[" not in text
+    header = next(ln for ln in text.splitlines() if "protection" in ln)
+    for column in ("protection", "trials", "harmless", "loss spike", "non-trainable"):
+        assert column in header
+    for column in ("detected", "corrected", "uncorrectable"):
+        assert column in header
+    assert "trials: 2/2 (100%)" in text or "abft: 2/2 (100%)" in text

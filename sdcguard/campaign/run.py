@@ -88,7 +88,7 @@ def run_campaign(
             if runner is None or runner.protection != prot:
                 progress.update(task, description=f"compiling {prot}")
                 runner = runner_for(config, prot)
-            progress.update(task, description=f"{prot:10s} {kind:8s}")
+            progress.update(task, description=prot)
             rec = runner.trial(site, kind, trial)
             append_result(f, rec)
             done[rec["key"]] = rec
