@@ -46,7 +46,13 @@ from sdcguard.campaign.config import (
     UnknownSiteError,
 )
 from sdcguard.campaign.report import markdown, plot, summarize
-from sdcguard.campaign.run import CampaignGridError, grid, run_campaign, source_fingerprint
+from sdcguard.campaign.run import (
+    CampaignGridError,
+    config_json,
+    grid,
+    run_campaign,
+    source_fingerprint,
+)
 from sdcguard.campaign.studies import (
     DOWNSTREAM,
     PROPAGATION_TENSORS,
@@ -83,6 +89,7 @@ __all__ = [
     "command",
     "config",
     "config_from_args",
+    "config_json",
     "false_positives",
     "grid",
     "load_results",

@@ -105,7 +105,7 @@ def run_campaign(
     records = [r for r in done.values() if r["config_hash"] in hashes]
     result = {
         "version": FORMAT_VERSION,
-        "config": {**_jsonable(config), "model": dataclasses.asdict(config.model_config())},
+        "config": {**config_json(config), "model": dataclasses.asdict(config.model_config())},
         "bits": list(config.bits()),
         "command": command or "sdcguard.campaign.run_campaign(...)",
         "trials_total": total,
@@ -191,7 +191,8 @@ def source_fingerprint() -> dict[str, Any]:
     return out
 
 
-def _jsonable(config: CampaignConfig) -> dict:
+def config_json(config: CampaignConfig) -> dict:
+    """The configuration as JSON data (``campaign.json``'s ``config``)."""
     d = dataclasses.asdict(config)
     d["out"] = str(config.out)
     return d
