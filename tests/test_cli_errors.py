@@ -599,3 +599,49 @@ def test_version_and_python_dash_m(capsys):
         timeout=120,
     )
     assert proc.returncode == 2 and "argument --trials: must be >= 1" in proc.stderr
+
+
+# --- output for logs -------------------------------------------------------------------------
+
+
+def test_console_off_a_terminal_prints_tables_whole(tmp_path, monkeypatch):
+    from rich.table import Table
+
+    from sdcguard import console as console_lib
+
+    site = "model/" + "/".join(f"layers_{i}" for i in range(30)) + "/attn:scores.grad_lhs"
+    with open(tmp_path / "log", "w") as f:
+        monkeypatch.setattr(sys, "stdout", f)
+        out = console_lib.make_console()
+        table = Table(title="counters")
+        for column in ("site", "uncorrectable", "nonfinite input"):
+            table.add_column(column)
+        table.add_row(site, "0", "0")
+        out.print(table)
+        out.print("done")
+    text = (tmp_path / "log").read_text()
+    assert len(site) > 300 and site in text and "uncorrectable" in text and "…" not in text
+    assert text.splitlines()[-1] == "done"  # a plain line is not padded to the wide width
+
+
+def test_progress_off_a_terminal_is_plain_lines():
+    import io
+
+    from rich.console import Console
+
+    from sdcguard import console as console_lib
+
+    log = Console(file=io.StringIO())  # not a terminal
+    with console_lib.progress(log) as bar:
+        task = bar.add_task("trials", total=20, completed=0)
+        bar.update(task, description="compiling abft")
+        for _ in range(20):
+            bar.update(task, description="abft")
+            bar.advance(task)
+    lines = [ln.rsplit(",", 1)[0] for ln in log.file.getvalue().splitlines()]
+    assert lines == [
+        "trials: 0/20 (0%)",
+        "compiling abft: 0/20 (0%)",
+        "abft: 0/20 (0%)",
+        *(f"abft: {2 * k}/20 ({10 * k}%)" for k in range(1, 11)),  # each tenth, once
+    ]
