@@ -61,10 +61,11 @@ from sdcguard.replay import (  # noqa: E402
     compare_nodes,
     load_task,
     open_trace,
-    record,
+    record_trace,
     reference_task,
     tensor_metrics,
 )
+from sdcguard.replay.record import record  # noqa: E402  (deprecated name of record_trace)
 
 __version__ = "0.1.0"
 
@@ -114,6 +115,7 @@ __all__ = [
     "protection",
     "reason_names",
     "record",
+    "record_trace",
     "reference_task",
     "refuse_corrupted",
     "replay",

@@ -15,9 +15,9 @@ from typing import NamedTuple
 
 import numpy as np
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
+from sdcguard.console import check_output_dir, error, make_console, positive_int, progress
 from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.models import ByteBatches, GPTConfig
 from sdcguard.protection.abft import ABFTConfig, Counts
@@ -76,7 +76,7 @@ class DemoConfig:
 
 def run_demo(config: DemoConfig, console: Console | None = None) -> dict:
     """Runs the three trainings; returns losses per run and the protected run's counters."""
-    console = console or Console()
+    console = console or make_console()
     whole_step = config.train.coverage == "every_gemm"
     make_faults = default_gemm_faults if whole_step else default_faults
     faults = [f for f in make_faults(config.train.model.num_layers) if f.step < config.steps]
@@ -95,9 +95,9 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict:
     losses = {name: np.zeros(config.steps) for name in runs}
     fwd_counts: dict[str, np.ndarray] = {}
     bwd_counts: dict[str, np.ndarray] = {}
-    with Progress(console=console, transient=True) as progress:
+    with progress(console) as bar:
         for name, (train, run_plan) in runs.items():
-            task = progress.add_task(f"{name:12s}", total=config.steps)
+            task = bar.add_task(f"{name:12s}", total=config.steps)
             state, step = make_train_step(train)
             for i in range(config.steps):
                 state, out = step(state, data.batch(i), run_plan)
@@ -110,7 +110,7 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict:
                         fwd_counts[site] = fwd_counts.get(site, 0) + c
                     for site, c in backward_site_counts(out.sink_grads).items():
                         bwd_counts[site] = bwd_counts.get(site, 0) + c
-                progress.advance(task)
+                bar.advance(task)
     counters = {s: np.asarray(c).tolist() for s, c in {**fwd_counts, **bwd_counts}.items()}
     return {
         "steps": config.steps,
@@ -128,11 +128,7 @@ def _print(result: dict, console: Console) -> None:
         table.add_column(col, justify="right")
     steps = sorted({*range(0, result["steps"], 25), result["steps"] - 1, *fault_steps})
     for i in (s for s in steps if s < result["steps"]):
-        fault = ", ".join(
-            f"{f['kind']} @ {f['site'].split('/', 1)[1]}"
-            for f in result["faults"]
-            if f["step"] == i
-        )
+        fault = ", ".join(f"{f['kind']} @ {f['site']}" for f in result["faults"] if f["step"] == i)
         table.add_row(
             str(i),
             *(f"{losses[k][i]:.4f}" for k in ("clean", "unprotected", "protected")),
@@ -266,7 +262,7 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--steps",
-        type=int,
+        type=positive_int,
         default=DemoConfig.steps,
         help="training steps per run (default: %(default)s; faults after the last are dropped)",
     )
@@ -278,7 +274,7 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--layers",
-        type=int,
+        type=positive_int,
         default=GPTConfig.num_layers,
         help="transformer blocks of the reference GPT (default: %(default)s)",
     )
@@ -301,12 +297,8 @@ def register(subparsers) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from sdcguard.cli import check_output_dir, error
-
-    console = Console()
+    console = make_console()
     try:
-        if args.layers < 1:
-            raise ValueError(f"--layers must be >= 1, got {args.layers}")
         model = GPTConfig(num_layers=args.layers, dtype=args.dtype)
         train = TrainConfig(model=model, coverage=args.coverage)
         config = DemoConfig(steps=args.steps, out=args.out, train=train)

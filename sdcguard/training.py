@@ -229,11 +229,13 @@ def merge_counts(first: jax.Array, second: jax.Array, second_detected: jax.Array
     """One site's counters ``[..., NUM_COUNTERS]`` after a step computed twice
     (``repair='recompute'``).
 
-    ``first`` are the detect-only counts (``[d, 0, d]``), ``second`` those of the recomputation
+    ``first`` are the detect-only counts (``[d, 0, u, n]``, ``u + n = d``: nothing is repaired,
+    so a detection is uncorrectable or, from a non-finite operand, ``nonfinite_input``),
+    ``second`` those of the recomputation
     with in-place repair, ``second_detected`` whether the recomputation detected anything at
     any site. If it did, its counters stand: the first pass's also count the sites an error
     reached downstream, since nothing was repaired there. If it did not, the fault did not come
-    back and recomputing corrected it: ``[d, d, 0]``.
+    back and recomputing corrected it: ``[d, d, 0, 0]``.
     """
     recomputed = first[..., :1] * jnp.asarray([1, 1, 0, 0], first.dtype)
     return jnp.where(second_detected, second, recomputed)

@@ -248,3 +248,93 @@ def test_abft_recompute_detects_and_corrects_like_in_place_repair(tmp_path):
     summary = result["summary"]
     assert summary["abft-recompute"]["detection_rate"] == summary["abft"]["detection_rate"] == 1.0
     assert summary["abft-recompute"]["correction_rate"] == 1.0
+
+
+# --- false positives count only the GEMMs that were checked ------------------------------------
+
+
+def every_gemm(tmp_path, dtype="fp32") -> CampaignConfig:
+    # sites=(): every GEMM of the step, whatever the names (no trial runs here).
+    return tiny(
+        tmp_path, coverage="every_gemm", sites=(), dtype=dtype, fp_dtypes=(dtype,), fp_steps=2
+    )
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_false_positives_count_the_gemms_checked(tmp_path, dtype):
+    """Whatever sdcguard.list_sites says of a dtype's GEMMs, only the checked ones count."""
+    from sdcguard.campaign import studies
+
+    config = every_gemm(tmp_path, dtype)
+    table = studies.gemm_site_table(config, dtype)
+    fp = studies.false_positives(config, dtype, 2)
+    checked = [s.name for s in table if s.checked]
+    assert fp["checked_gemms"] == 2 * len(checked)
+    assert fp["unchecked_gemms"] == 2 * (len(table) - len(checked))
+    assert fp["alarms"] == 0
+    if dtype == "fp32":
+        assert checked and fp["unchecked_gemms"] == 0
+
+
+def test_false_positives_of_unchecked_gemms_count_zero(tmp_path, monkeypatch):
+    """A run whose GEMMs are all unchecked (as bf16 GEMMs were) counts 0 checked GEMMs, not
+    the number of sites; a GEMM listed as checked that the step's report lacks is not counted
+    either."""
+    from sdcguard.campaign import studies
+
+    config = every_gemm(tmp_path)
+    real = studies.list_sites
+
+    def all_unchecked(*args, **kwargs):
+        return [
+            dataclasses.replace(s, checked=False, why_unchecked="bfloat16 operands")
+            for s in real(*args, **kwargs)
+        ]
+
+    monkeypatch.setattr(studies, "list_sites", all_unchecked)
+    fp = studies.false_positives(config, "fp32", 2)
+    monkeypatch.setattr(studies, "list_sites", real)
+    n = len(studies.gemm_site_table(config, "fp32"))
+    assert n > 0 and fp["checked_gemms"] == 0
+    assert fp["unchecked_gemms"] == 2 * n and fp["why_unchecked"] == {"bfloat16 operands": 2 * n}
+    console = quiet()
+    campaign.report.print_summary({"summary": {}, "false_positives": [fp]}, console)
+    assert (
+        f"false positives fp32: 0 alarms in 0 checked GEMMs; fp32: {2 * n} GEMMs not checked "
+        f"(bfloat16 operands: {2 * n}), no evidence either way"
+    ) in console.file.getvalue()
+
+    def one_phantom(*args, **kwargs):
+        sites = real(*args, **kwargs)
+        return [*sites, dataclasses.replace(sites[0], name="nowhere/dense:dot_general")]
+
+    monkeypatch.setattr(studies, "list_sites", one_phantom)
+    fp = studies.false_positives(config, "fp32", 2)
+    assert fp["why_unchecked"] == {"listed as checked, absent from the report": 2}
+
+
+def test_campaign_output_in_a_log_is_whole(tmp_path, monkeypatch):
+    """``sdcguard campaign > log``: whole headers (not ``protec…``) and progress lines."""
+    import sys
+
+    log = tmp_path / "campaign.log"
+    argv = [
+        *("campaign", "--layers", "1", "--d-model", "32", "--heads", "4", "--seq-len", "16"),
+        *("--batch-size", "2", "--trials", "1", "--fp-steps", "0", "--propagation-trials", "0"),
+        *("--sites", SCORES, "--kinds", "nan", "--protection", "off", "abft"),
+        *("--warmup", "1", "--steps-after", "2", "--out", str(tmp_path / "c")),
+    ]
+    with open(log, "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)  # what `> campaign.log` gives the command
+        from sdcguard import cli
+
+        code = cli.main(argv)
+    text = log.read_text()
+    assert code == 0, text
+    assert "…" not in text and "\x1b[" not in text
+    header = next(ln for ln in text.splitlines() if "protection" in ln)
+    for column in ("protection", "trials", "harmless", "loss spike", "non-trainable"):
+        assert column in header
+    for column in ("detected", "corrected", "uncorrectable"):
+        assert column in header
+    assert "trials: 2/2 (100%)" in text or "abft: 2/2 (100%)" in text

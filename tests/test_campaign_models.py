@@ -178,7 +178,7 @@ def test_per_bit_table_counts():
     md = campaign.markdown(
         {
             "config": {
-                **campaign._jsonable(CampaignConfig()),
+                **campaign.config_json(CampaignConfig()),
                 "model": dataclasses.asdict(GPTConfig()),
             },
             "summary": summarize(off + abft),

@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from sdcguard import cli
-from sdcguard.replay import command, nodes, trace
-from sdcguard.replay.record import RecordOptions, record
+from sdcguard.replay import command, nodes, report, trace
+from sdcguard.replay.record import RecordOptions, record_trace
 
 TINY = "tests.replay_tasks:tiny"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,7 +28,7 @@ REMOTE = f"{sys.executable} -m sdcguard.replay.command"
 def tiny_trace(tmp_path_factory):
     """A trace of the tiny task, recorded in this process."""
     out = tmp_path_factory.mktemp("tiny") / "trace"
-    record(RecordOptions(task=TINY), str(out))
+    record_trace(RecordOptions(task=TINY), str(out))
     return str(out)
 
 
@@ -228,7 +228,7 @@ def test_report_unwritable_after_identical_comparison_exit_2(
     def disk_full(doc, path):
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(cli, "write_json", disk_full)
+    monkeypatch.setattr(report, "write_json_file", disk_full)
     argv = ["compare", "--node-a", f"trace:{tiny_trace}", "--node-b", f"trace:{tiny_trace}"]
     assert command.main([*argv, "--json", str(tmp_path / "r.json")]) == 2
     captured = capsys.readouterr()
@@ -362,7 +362,7 @@ def test_campaign_refuses_to_mix_grids(tmp_path, monkeypatch, capsys):
     def refuse(*args, **kwargs):
         raise AssertionError("a trial ran")
 
-    monkeypatch.setattr(campaign, "_runner", refuse)
+    monkeypatch.setattr(campaign.run, "runner_for", refuse)
     args = _tiny_campaign(tmp_path, "--sites", "decoder/block_0/attn:scores", "--kinds", "nan")
     config = campaign.config_from_args(args)
     # The results file holds a trial of another grid (the same configuration, another kind).
@@ -390,7 +390,7 @@ def test_campaign_ctrl_c_exit_130_without_traceback(tmp_path, monkeypatch, capsy
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(campaign, "run_campaign", interrupted)
+    monkeypatch.setattr(campaign.command, "run_campaign", interrupted)
     args = _tiny_campaign(tmp_path)
     assert args.handler(args) == 130
     captured = capsys.readouterr()
@@ -421,3 +421,227 @@ def test_interruption_stops_every_node_process():
     with pytest.raises(nodes.NodeError, match="interrupted"):
         procs.add(late)  # a node that a worker thread started just after: stopped too
     assert late.poll() is not None
+
+
+# --- messages that name the flag the user typed, and what to do --------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--inject-b", "site=a:nope,kind=nan"],
+            "--inject-b 'site=a:nope,kind=nan': unknown site 'a:nope'",
+        ),
+        (
+            ["--inject-a", "site=a:nope,kind=nan"],
+            "--inject-a 'site=a:nope,kind=nan': unknown site 'a:nope'",
+        ),
+        (
+            # B's bad site is armed on A too, and A is checked first: still B's flag.
+            ["--inject-a", "site=a:output,kind=nan", "--inject-b", "site=b:outptu,kind=inf"],
+            "--inject-b 'site=b:outptu,kind=inf': unknown site 'b:outptu' (close: b:output",
+        ),
+        (["--arm", "a:nope"], "--arm: unknown site 'a:nope'"),
+    ],
+)
+def test_unknown_site_is_named_by_the_flag_that_gave_it(argv, message, no_node_runs, capsys):
+    assert command.main(["compare", "--task", TINY, *argv]) == 2
+    assert message in _one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["compare", "--timeout", "soon"], "argument --timeout: expected a number > 0, got 'soon'"),
+        (["compare", "--timeout", "0"], "argument --timeout: must be > 0, got 0"),
+        (["compare", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+        (["scan", "--nodes", "a,b", "--jobs", "x"], "argument --jobs: expected a whole number"),
+        (["campaign", "--trials", "0"], "argument --trials: must be >= 1, got 0"),
+        (["campaign", "--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+        (["campaign", "--fp-steps", "many"], "argument --fp-steps: expected a whole number"),
+        (["demo", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+        (["demo", "--layers", "two"], "argument --layers: expected a whole number >= 1"),
+    ],
+)
+def test_bad_numbers_are_named_by_their_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "invalid" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "bits,message",
+    [
+        (["30", "20"], "--bits 30 20: give the lower bit first, both from 0 (e.g. --bits 20 30)"),
+        (["0", "40"], "--bits 0 40: bit range (0, 40) does not fit fp32 (bits 0 to 31); give HI"),
+    ],
+)
+def test_campaign_bits_name_the_flag_and_the_fix(bits, message, tmp_path, capsys):
+    args = cli.build_parser().parse_args(["campaign", "--bits", *bits, "--out", str(tmp_path)])
+    assert args.handler(args) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert message in line and "bit_range" not in line
+
+
+def test_checkpoint_that_is_a_file_is_not_called_missing(tmp_path, no_node_runs, capsys):
+    afile = tmp_path / "params.ckpt"
+    afile.write_text("")
+    assert command.main(["compare", "--task", TINY, "--checkpoint", str(afile)]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"--checkpoint {str(afile)!r} is a file, not a checkpoint" in line
+    assert "does not exist" not in line
+    missing = tmp_path / "nothing"
+    assert command.main(["compare", "--task", TINY, "--checkpoint", str(missing)]) == 2
+    assert "--checkpoint directory" in _one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "node_b,extra,message",
+    [
+        ("trace:{tmp}/missing", [], "node trace:{tmp}/missing: trace directory"),
+        ("trace:{tmp}", [], "is not a complete trace"),
+        ("gpu7", ["--launcher", "no-such-launcher {node}"], "the command 'no-such-launcher' is"),
+    ],
+)
+def test_every_node_checked_before_node_a_runs(
+    node_b, extra, message, tmp_path, no_node_runs, capsys
+):
+    # Node A (local) runs first; no_node_runs proves the bad node B is refused before it.
+    argv = ["compare", "--task", TINY, "--node-b", node_b.format(tmp=tmp_path), *extra]
+    assert command.main(argv) == 2
+    assert message.format(tmp=tmp_path) in _one_error_line(capsys.readouterr().err)
+
+
+def test_scan_checks_every_node_before_any_runs(tmp_path, no_node_runs, capsys):
+    argv = ["scan", "--task", TINY, "--nodes", f"local,n1,trace:{tmp_path / 'missing'}"]
+    assert command.main([*argv, "--launcher", "ssh {node}"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"node trace:{tmp_path / 'missing'}: trace directory" in line
+
+
+def test_campaign_unknown_site_one_line_with_close_matches(tmp_path, capsys):
+    argv = ["campaign", "--sites", "decoder/block_0/attn:scorez", "--out", str(tmp_path / "c")]
+    args = cli.build_parser().parse_args(argv)
+    assert args.handler(args) == 2
+    line = _one_error_line(capsys.readouterr().err)  # one line, not 70
+    assert "--sites 'decoder/block_0/attn:scorez' is no site of the gpt model" in line
+    assert "close: decoder/block_0/attn:scores" in line and "--list-sites" in line
+    assert not (tmp_path / "c").exists()
+
+
+def test_campaign_list_sites_prints_every_site(capsys):
+    args = cli.build_parser().parse_args(["campaign", "--layers", "1", "--list-sites"])
+    assert args.handler(args) == 0
+    out = capsys.readouterr()
+    sites = out.out.split()
+    assert "decoder/block_0/attn:scores" in sites and "decoder/block_0/mlp:output" in sites
+    assert f"{len(sites)} sites" in out.err
+
+
+@pytest.mark.parametrize("extra", [["--task", TINY], ["--steps", "2", "--sites", "a"]])
+def test_scan_of_traces_refuses_flags_it_would_ignore(extra, tiny_trace, no_node_runs, capsys):
+    nodes_ = f"trace:{tiny_trace},trace:{tiny_trace}-copy"
+    argv = ["scan", "--nodes", nodes_, *extra]
+    assert command.main(argv) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    given = [a for a in extra if a.startswith("--")]
+    assert f"{', '.join(given)} would be ignored: every node is a recorded trace" in line
+
+
+def test_compare_from_a_trace_refuses_flags_it_would_ignore(tiny_trace, no_node_runs, capsys):
+    argv = ["compare", "--node-a", f"trace:{tiny_trace}", "--node-b", "local", "--steps", "2"]
+    assert command.main(argv) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "--steps would be ignored: node A is a recorded trace" in line
+
+
+def test_scan_of_runs_on_this_machine(tmp_path, capsys):
+    """``local,local,local``: three runs here, named apart, that agree bit for bit."""
+    report_file = tmp_path / "r.json"
+    argv = ["scan", "--task", TINY, "--nodes", "local,local,local", "--json", str(report_file)]
+    assert command.main(argv) == 0
+    doc = json.loads(report_file.read_text())
+    assert doc["status"] == "agree" and doc["groups"] == [["local#1", "local#2", "local#3"]]
+    assert "agree: all 3 nodes agree bit for bit" in capsys.readouterr().out
+    # A host or a trace twice is still a mistake.
+    assert command.main(["scan", "--nodes", "n1,n1", "--launcher", "ssh {node}"]) == 2
+    assert "only local and local:N may repeat" in capsys.readouterr().err
+
+
+def test_every_subcommand_has_a_description():
+    missing = [name for name, sub in _subparsers(cli.build_parser()) if not sub.description]
+    assert missing == []
+
+
+def test_version_and_python_dash_m(capsys):
+    import sdcguard
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"sdcguard {sdcguard.__version__}\n"
+    # `python -m sdcguard` is the same command line as `sdcguard`.
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdcguard", "--version"],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(HERE),
+        timeout=120,
+    )
+    assert proc.returncode == 0 and proc.stdout == f"sdcguard {sdcguard.__version__}\n"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdcguard", "campaign", "--trials", "0"],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(HERE),
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "argument --trials: must be >= 1" in proc.stderr
+
+
+# --- output for logs -------------------------------------------------------------------------
+
+
+def test_console_off_a_terminal_prints_tables_whole(tmp_path, monkeypatch):
+    from rich.table import Table
+
+    from sdcguard import console as console_lib
+
+    site = "model/" + "/".join(f"layers_{i}" for i in range(30)) + "/attn:scores.grad_lhs"
+    with open(tmp_path / "log", "w") as f:
+        monkeypatch.setattr(sys, "stdout", f)
+        out = console_lib.make_console()
+        table = Table(title="counters")
+        for column in ("site", "uncorrectable", "nonfinite input"):
+            table.add_column(column)
+        table.add_row(site, "0", "0")
+        out.print(table)
+        out.print("done")
+    text = (tmp_path / "log").read_text()
+    assert len(site) > 300 and site in text and "uncorrectable" in text and "…" not in text
+    assert text.splitlines()[-1] == "done"  # a plain line is not padded to the wide width
+
+
+def test_progress_off_a_terminal_is_plain_lines():
+    import io
+
+    from rich.console import Console
+
+    from sdcguard import console as console_lib
+
+    log = Console(file=io.StringIO())  # not a terminal
+    with console_lib.progress(log) as bar:
+        task = bar.add_task("trials", total=20, completed=0)
+        bar.update(task, description="compiling abft")
+        for _ in range(20):
+            bar.update(task, description="abft")
+            bar.advance(task)
+    lines = [ln.rsplit(",", 1)[0] for ln in log.file.getvalue().splitlines()]
+    assert lines == [
+        "trials: 0/20 (0%)",
+        "compiling abft: 0/20 (0%)",
+        "abft: 0/20 (0%)",
+        *(f"abft: {2 * k}/20 ({10 * k}%)" for k in range(1, 11)),  # each tenth, once
+    ]

@@ -81,3 +81,42 @@ def test_cli_lists_subcommands(capsys):
     out = capsys.readouterr().out
     for command in ("demo", "record", "compare", "sites"):
         assert command in out
+
+
+def test_demo_output_in_a_log_is_whole(tmp_path, monkeypatch):
+    """``sdcguard demo > log``: off a terminal, tables are not cut at 80 columns (whole site
+    names and headers), and progress is plain lines, not bars."""
+    import dataclasses
+    import sys
+
+    from sdcguard import demo
+
+    # Small settings: --steps and --layers, and a smaller width and batch than the defaults
+    # (the command line has no flags for them).
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class SmallGPT(GPTConfig):
+        d_model: int = 32
+        num_heads: int = 4
+        seq_len: int = 16
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class SmallBatch(TrainConfig):
+        batch_size: int = 2
+
+    monkeypatch.setattr(demo, "GPTConfig", SmallGPT)
+    monkeypatch.setattr(demo, "TrainConfig", SmallBatch)
+    log = tmp_path / "demo.log"
+    with open(log, "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)  # what `> demo.log` gives the command
+        code = cli.main(["demo", "--steps", "21", "--layers", "1", "--out", str(tmp_path / "d")])
+    text = log.read_text()
+    assert code == 0, text
+    assert "…" not in text and "\x1b[" not in text  # nothing cut, no terminal codes
+    rows = [ln for ln in text.splitlines() if "decoder/block_0/attn:scores" in ln]
+    assert len(rows) == 2  # the fault column and the counter table, names whole
+    assert "inf @ decoder/block_0/attn:scores" in rows[0]
+    counters = rows[1].split("│")
+    assert [c.strip() for c in counters[1:6]] == ["decoder/block_0/attn:scores", *"1100"]
+    for header in ("fault injected", "unprotected", "uncorrectable", "nonfinite input"):
+        assert header in text
+    assert "protected: 21/21 (100%)" in text  # progress as plain lines

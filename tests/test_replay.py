@@ -15,7 +15,7 @@ import pytest
 
 from sdcguard.replay import command, diff
 from sdcguard.replay.compare import CompareOptions, compare_nodes
-from sdcguard.replay.record import RecordOptions, open_trace, record
+from sdcguard.replay.record import RecordOptions, open_trace, record_trace
 from sdcguard.replay.task import reference_task, save_params
 
 # Sites the tests inject at, with the module each must be blamed on (lock-step level).
@@ -46,14 +46,14 @@ def _spec(site, step=0, kind="bitflip,bit=27", index=4037):
 @pytest.fixture(scope="module")
 def trace_a(tmp_path_factory):
     out = tmp_path_factory.mktemp("a") / "trace"
-    record(_options(), str(out))
+    record_trace(_options(), str(out))
     return open_trace(str(out))
 
 
 def _record_b(tmp_path, trace_a, *specs, levels=("submodule", "step", "trajectory")):
     out = tmp_path / "b"
-    record(_options(inject=specs, levels=levels), str(out), reference=trace_a)
-    return diff.compare(trace_a, open_trace(str(out)))
+    record_trace(_options(inject=specs, levels=levels), str(out), reference=trace_a)
+    return diff.compare_traces(trace_a, open_trace(str(out)))
 
 
 def test_determinism_self_check_in_process(trace_a, tmp_path):
@@ -87,8 +87,10 @@ def test_free_running_capture_carries_errors_downstream(trace_a, tmp_path):
     # Without lock-step (B has no reference) the first divergence is still right, but every
     # later submodule diverges too: the contrast that lock-step removes.
     out = tmp_path / "free"
-    record(_options(inject=(_spec("decoder/block_0/mlp:output"),), levels=("submodule",)), str(out))
-    c = diff.compare(trace_a, open_trace(str(out)))
+    record_trace(
+        _options(inject=(_spec("decoder/block_0/mlp:output"),), levels=("submodule",)), str(out)
+    )
+    c = diff.compare_traces(trace_a, open_trace(str(out)))
     assert not c.lockstep
     assert c.first_divergence.module == "decoder/block_0/mlp"
     blamed = {r.module for r in c.levels["submodule"]["rows"] if not r.identical}

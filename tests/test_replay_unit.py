@@ -303,8 +303,6 @@ def test_mismatched_fingerprints_exit_2(tmp_path, capsys):
         f"trace:{tmp_path / 'a'}",
         "--node-b",
         f"trace:{tmp_path / 'b'}",
-        "--levels",
-        "step",
     ]
     assert command.main(argv) == 2
     err = capsys.readouterr().err
@@ -331,3 +329,32 @@ def test_captures_stream_to_disk_in_chunks(tmp_path, monkeypatch):
     t = Trace(str(tmp_path / "t"))
     assert len(t.manifest["files"]) == 10
     assert [float(t.get(f"x/{i}")[0]) for i in range(10)] == list(range(10))
+
+
+# --- names: the submodules are not shadowed; the old function names still work ------------
+
+
+def test_submodules_are_not_shadowed_and_old_calls_warn(tmp_path):
+    import importlib
+
+    import sdcguard
+    import sdcguard.replay as replay
+
+    # The package's attributes are its submodules, as `import sdcguard.replay.compare` says.
+    assert replay.compare is importlib.import_module("sdcguard.replay.compare")
+    assert replay.record is importlib.import_module("sdcguard.replay.record")
+    assert replay.compare.CompareOptions is replay.CompareOptions
+    # The functions have names of their own ...
+    _fake_trace(tmp_path / "t")
+    t = Trace(str(tmp_path / "t"))
+    assert replay.compare_traces(t, t).identical
+    # ... and the old calls still work for one release, with a warning naming the new name.
+    with pytest.warns(DeprecationWarning, match="call sdcguard.replay.compare_traces"):
+        assert replay.compare(t, t).identical
+    with pytest.warns(DeprecationWarning, match="call sdcguard.replay.compare_traces"):
+        assert diff.compare(t, t).identical
+    for old in (replay.record, sdcguard.record):
+        warns = pytest.warns(DeprecationWarning, match="call sdcguard.replay.record_trace")
+        with warns, pytest.raises(TypeError):  # reached record_trace: it needs its arguments
+            old()
+    assert sdcguard.record_trace is replay.record_trace

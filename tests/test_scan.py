@@ -106,21 +106,31 @@ def test_scan_two_conflicting_halves_exit_2(corrupt_scan, tmp_path, capsys):
 def test_scan_with_a_node_that_fails_exit_2(corrupt_scan, tmp_path, capsys):
     _, _, traces = corrupt_scan
     nodes = [f"trace:{_trace(traces, n)}" for n in ("n1", "n2", "n4")]
-    nodes.append(f"trace:{tmp_path / 'missing'}")
+    nodes.append("n9")  # a host whose launch fails (exit 3): the scan goes on without it
     report = tmp_path / "r.json"
-    assert command.main(["scan", "--nodes", ",".join(nodes), "--json", str(report)]) == 2
+    argv = ["scan", "--nodes", ",".join(nodes), "--launcher", "sh -c 'exit 3' {node}"]
+    assert command.main([*argv, "--json", str(report)]) == 2
     doc = json.loads(report.read_text())
     assert doc["status"] == "incomplete" and doc["suspects"] == []
     failed = [n for n in doc["nodes"] if n["status"] == "failed"]
-    assert len(failed) == 1 and "does not exist" in failed[0]["error"]
-    assert "3 nodes agree; no comparable trace from trace:" in capsys.readouterr().out
+    assert [n["node"] for n in failed] == ["n9"] and "exit code 3" in failed[0]["error"]
+    assert "3 nodes agree; no comparable trace from n9" in capsys.readouterr().out
+
+
+def test_scan_refuses_a_missing_trace_before_any_node_runs(corrupt_scan, tmp_path, capsys):
+    _, _, traces = corrupt_scan
+    nodes = [f"trace:{_trace(traces, n)}" for n in ("n1", "n2")]
+    nodes.append(f"trace:{tmp_path / 'missing'}")
+    assert command.main(["scan", "--nodes", ",".join(nodes)]) == 2
+    err = capsys.readouterr().err
+    assert f"node trace:{tmp_path / 'missing'}: trace directory" in err and "does not exist" in err
 
 
 @pytest.mark.parametrize(
     "nodes,extra,message",
     [
         ("n1", [], "a scan needs at least 2 nodes"),
-        ("n1,n1", ["--launcher", "ssh {node}"], "node 'n1' is given more than once"),
+        ("n1,n1", ["--launcher", "ssh {node}"], "node 'n1' is given more than once (only local"),
         ("n1,n2", [], "node n1 is a host: give --launcher"),
         ("n1,n2", ["--launcher", "ssh {node}", "--jobs", "0"], "--jobs must be >= 1"),
     ],

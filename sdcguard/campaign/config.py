@@ -8,6 +8,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from sdcguard.console import close_matches
 from sdcguard.fault_model.sites import (
     FAULT_KINDS,
     attention_site_names,
@@ -44,6 +45,10 @@ FORMAT_VERSION = 2  # 2: model kind, output sites, injected values
 
 class CampaignFileError(ValueError):
     """The results file is corrupt beyond a partially written last line."""
+
+
+class UnknownSiteError(ValueError):
+    """A site name or pattern of the campaign that names no site of its model."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -199,7 +204,8 @@ class CampaignConfig:
         """The sites of the grid, in order, each once.
 
         Raises:
-          ValueError: a name or pattern that is no site of the model (the valid ones listed).
+          UnknownSiteError: a name or pattern that is no site of the model (its close
+            matches named).
         """
         return list(self._sites)
 
@@ -213,21 +219,26 @@ class CampaignConfig:
         for pat in patterns:
             hits = [s for s in valid if site_pattern(pat).fullmatch(s)]
             if not hits:
-                listing = "\n  ".join(valid)
-                site = pat.rpartition(":")[2]
-                hint = (
-                    " (parameter sites such as 'path:kernel.grad' or 'path:kernel.update' are "
-                    "injected by `sdcguard compare --inject-b` and `sdcguard record --inject`; "
-                    "a campaign injects at GEMM sites and module outputs)"
-                    if site.endswith((".grad", ".update"))
-                    else ""
-                )
-                raise ValueError(
-                    f"site {pat!r} is no site of the {self.model_kind} model "
-                    f"({self.model.num_layers} layers){hint}; valid sites:\n  {listing}"
-                )
+                raise UnknownSiteError(self._unknown_site(pat, valid))
             out += [s for s in hits if s not in out]
         return tuple(out)
+
+    def _unknown_site(self, pattern: str, valid: list[str]) -> str:
+        """One line: the pattern, its close matches, and how to list every site."""
+        close = close_matches(pattern, valid, n=4)
+        hint = f"; close: {', '.join(close)}" if close else ""
+        if pattern.rpartition(":")[2].endswith((".grad", ".update")):
+            hint += (
+                " (parameter sites such as 'path:kernel.grad' or 'path:kernel.update' are "
+                "injected by `sdcguard compare --inject-b` and `sdcguard record --inject`; "
+                "a campaign injects at GEMM sites and module outputs)"
+            )
+        return (
+            f"{pattern!r} is no site of the {self.model_kind} model ({self.model.num_layers} "
+            f"layers, coverage {self.coverage}: {len(valid)} sites){hint}; "
+            "`sdcguard campaign --list-sites` lists them, with the same --model, --layers and "
+            "--coverage"
+        )
 
     def output_sites(self) -> tuple[str, ...]:
         """The module-output sites of the grid (armed in the compiled step)."""

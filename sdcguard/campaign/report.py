@@ -406,8 +406,9 @@ def markdown(result: dict) -> str:
             "",
             "A checked GEMM is one checked einsum call (a site in one step, forward or "
             "backward); checked matrices count each batch x head matrix of the attention "
-            "GEMMs separately.",
+            "GEMMs separately. Only GEMMs that were checked count.",
         ]
+        lines += [f"- {_unchecked_note(fp)}" for fp in fps if fp.get("unchecked_gemms")]
     else:
         lines.append("Not run.")
     lines += ["", "## 5. Recovery cost", "", *_recovery_text(Path(result["recovery_file"]))]
@@ -469,7 +470,16 @@ def plot(result: dict, out: Path) -> list[Path]:
     return written
 
 
-def _print(result: dict, console: Console) -> None:
+def _unchecked_note(fp: dict) -> str:
+    """``bf16: 1020 GEMMs not checked (bfloat16 operands: 1020), no evidence either way``."""
+    why = ", ".join(f"{k}: {v}" for k, v in sorted(fp.get("why_unchecked", {}).items()))
+    return (
+        f"{fp['dtype']}: {fp['unchecked_gemms']} GEMMs not checked ({why}), no evidence either way"
+    )
+
+
+def print_summary(result: dict, console: Console) -> None:
+    """Prints the campaign's main table and one line per study (output sites, false positives)."""
     table = Table(title="Fault campaign: one fault per trial")
     for col in (
         "protection",
@@ -510,4 +520,6 @@ def _print(result: dict, console: Console) -> None:
             f"false positives {fp['dtype']}: {fp['alarms']} alarms in "
             f"{fp['checked_gemms']} checked GEMMs"
             + (f" ({fp['checked_matrices']} matrices)" if fp.get("checked_matrices") else "")
+            + (f"; {_unchecked_note(fp)}" if fp.get("unchecked_gemms") else ""),
+            highlight=False,
         )

@@ -11,12 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdcguard.campaign.config import CampaignConfig
-from sdcguard.campaign.trials import _runner, make_fault
+from sdcguard.campaign.trials import abft_config, make_fault, runner_for
 from sdcguard.fault_model import inject
 from sdcguard.fault_model.inject import FaultPlan
 from sdcguard.fault_model.sites import ATTENTION_SITES, GEMM_SITES
-from sdcguard.models import ByteBatches
+from sdcguard.models import ByteBatches, init_params
 from sdcguard.protection.abft import NUM_COUNTERS
+from sdcguard.protection.transform import GemmSite, list_sites
+from sdcguard.training import TrainConfig, build_model, objective
 
 # --- Propagation inside one attention block (unprotected) -------------------------------------
 
@@ -137,32 +139,70 @@ def propagation(config: CampaignConfig) -> dict[str, dict[str, dict[str, int]]]:
 # --- False positives ----------------------------------------------------------------------------
 
 
+def gemm_site_table(config: CampaignConfig, dtype: str) -> list[GemmSite]:
+    """Every GEMM of the campaign's training step (loss and gradients) in ``dtype``, checked or
+    not, as :func:`sdcguard.list_sites` reports it for the ``abft`` protection. Traces only.
+
+    Example:
+      >>> [s.why_unchecked for s in gemm_site_table(config, "bf16") if not s.checked][:1]
+      ['bfloat16 operands']
+    """
+    train = TrainConfig(model=config.model_config(dtype), model_kind=config.model_kind)
+    model, task_loss = build_model(train), objective(train)
+    params = jax.eval_shape(lambda: init_params(model, config.seed))
+    batch = jax.ShapeDtypeStruct((1, train.model.seq_len + 1), jnp.int32)
+
+    def loss_and_grads(params, batch):
+        return jax.value_and_grad(
+            lambda p: task_loss(lambda t: model.apply({"params": p}, t), batch, 0)
+        )(params)
+
+    return list_sites(loss_and_grads, params, batch, config=abft_config("abft", "every_gemm"))
+
+
 def false_positives(config: CampaignConfig, dtype: str, steps: int) -> dict[str, Any]:
     """Alarms over ``steps`` clean ABFT-checked training steps in ``dtype``.
 
     A checked GEMM is one checked einsum call (one site, one step, forward or backward); the
     batch x head matrices inside one call are counted separately in ``checked_matrices``.
+    With ``coverage="every_gemm"`` only GEMMs that were checked count: a site that
+    :func:`sdcguard.list_sites` lists as checked in ``dtype`` *and* that the step's report
+    holds. The others are counted in ``unchecked_gemms``, with their reasons in
+    ``why_unchecked`` (``{'bfloat16 operands': 102}``): zero alarms over unchecked GEMMs is
+    no evidence, and the report says so.
     """
     m = config.model_config(dtype)
     # The campaign's own compiled ABFT step when the dtype matches (no extra compilation).
-    runner = _runner(dataclasses.replace(config, dtype=dtype), "abft")
+    runner = runner_for(dataclasses.replace(config, dtype=dtype), "abft")
     state, step = runner.state, runner.step
     data = ByteBatches(batch_size=config.batch_size, seq_len=m.seq_len, seed=config.seed + 1)
     plan = FaultPlan.from_faults([], capacity=1)
     alarms = []
+    checked_gemms = unchecked_gemms = 0
+    why_unchecked: dict[str, int] = {}
+    if config.coverage == "every_gemm":
+        table = gemm_site_table(config, dtype)
+        listed_checked = {s.name for s in table if s.checked}
     t0 = time.perf_counter()
     for i in range(steps):
         state, out = step(state, jnp.asarray(data.batch(i)), plan)
         alarms.append(out.counts)
+        if config.coverage == "every_gemm":
+            # out.sdc is sdcguard.checked's report: one entry per site it checked this step.
+            checked = listed_checked & set(out.sdc)
+            checked_gemms += len(checked)
+            for s in table:
+                if s.name not in checked:
+                    why = s.why_unchecked or "listed as checked, absent from the report"
+                    why_unchecked[why] = why_unchecked.get(why, 0) + 1
+                    unchecked_gemms += 1
     alarms = np.asarray(jax.device_get(alarms)).reshape(-1, NUM_COUNTERS)
     b, length, h = config.batch_size, m.seq_len, m.num_heads
     if config.coverage == "every_gemm":
-        # Every GEMM site of the step, forward and backward (the report has one entry each).
-        gemms_per_step = len(config.gemm_sites())
         matrices_per_step = softmax_per_step = None
     else:
         # Per layer and step: 6 forward GEMMs, 12 backward; softmax rows are checked apart.
-        gemms_per_step = m.num_layers * 3 * len(GEMM_SITES)
+        checked_gemms = steps * m.num_layers * 3 * len(GEMM_SITES)
         # scores and context (and their 4 gradient GEMMs) are b*h matrices; projections 1.
         matrices_per_step = m.num_layers * (3 * 4 + 3 * 2 * b * h)
         softmax_per_step = m.num_layers * b * h * length
@@ -170,7 +210,9 @@ def false_positives(config: CampaignConfig, dtype: str, steps: int) -> dict[str,
         "dtype": dtype,
         "coverage": config.coverage,
         "steps": steps,
-        "checked_gemms": steps * gemms_per_step,
+        "checked_gemms": checked_gemms,
+        "unchecked_gemms": unchecked_gemms,
+        "why_unchecked": why_unchecked,
         "checked_matrices": None if matrices_per_step is None else steps * matrices_per_step,
         "softmax_checks": None if softmax_per_step is None else steps * softmax_per_step,
         "alarm_steps": int((alarms[:, 0] > 0).sum()),

@@ -29,7 +29,8 @@ from sdcguard.training import UNCHECKED, UNCHECKED_GEMMS, TrainConfig, TrainStat
 # --- The training step of one configuration ----------------------------------------------------
 
 
-def _abft_config(protection: str, coverage: str) -> ABFTConfig:
+def abft_config(protection: str, coverage: str) -> ABFTConfig:
+    """The checks of a protection level: none for ``off`` (injection points only), else all."""
     if protection == "off":
         return UNCHECKED_GEMMS if coverage == "every_gemm" else UNCHECKED
     return ABFTConfig()
@@ -62,7 +63,7 @@ def make_step(
         model=model_config,
         learning_rate=learning_rate,
         seed=seed,
-        abft=_abft_config(protection, coverage),
+        abft=abft_config(protection, coverage),
         model_kind=model_kind,
         coverage=coverage,
         output_sites=tuple(output_sites),
@@ -235,7 +236,9 @@ class _Runner:
 _RUNNERS: dict[str, _Runner] = {}
 
 
-def _runner(config: CampaignConfig, protection: str) -> _Runner:
+def runner_for(config: CampaignConfig, protection: str) -> _Runner:
+    """The compiled configuration (protection, dtype, model...) of ``config``, made once per
+    process: its step, its warm state and its clean run."""
     key = config.trial_hash(protection) + f"|{config.batch_size}"
     if key not in _RUNNERS:
         _RUNNERS[key] = _Runner(config, protection)

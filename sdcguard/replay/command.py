@@ -17,20 +17,21 @@ import shutil
 import sys
 import tempfile
 
+from sdcguard.console import (
+    check_output_dir,
+    check_output_file,
+    comma_list,
+    error,
+    integer,
+    make_console,
+    non_negative_int,
+    one_line,
+    positive_float,
+    positive_int,
+)
 from sdcguard.replay import determinism
 
 EXIT_IDENTICAL, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
-
-
-def _csv(text: str) -> tuple[str, ...]:
-    return tuple(p.strip() for p in text.split(",") if p.strip())
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 SITES_HELP = (
@@ -48,20 +49,33 @@ SPEC_HELP = (
 )
 
 
+# The flags that say what a node runs. Their defaults are None, so that a flag the user gave
+# can be told from one left out: a command whose nodes run nothing refuses them.
+RUN_FLAGS = ("--task", "--steps", "--seed", "--checkpoint", "--levels", "--sites")
+
+
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     from sdcguard.replay.record import LEVELS
-    from sdcguard.replay.task import DEFAULT_TASK
 
     p.add_argument(
         "--task",
-        default=DEFAULT_TASK,
-        help="module:function returning a sdcguard.ReplayTask (default: the reference GPT)",
+        help="module:function returning a sdcguard.ReplayTask (default: the reference GPT, "
+        "sdcguard.replay.task:reference_task)",
     )
-    p.add_argument("--steps", type=int, help="training steps (default: the task's)")
-    p.add_argument("--seed", type=int, help="parameter seed (default: the task's)")
+    p.add_argument("--steps", type=positive_int, help="training steps (default: the task's)")
+    p.add_argument("--seed", type=integer, help="parameter seed (default: the task's)")
     p.add_argument("--checkpoint", help="Orbax checkpoint directory of the parameters")
-    p.add_argument("--levels", type=_csv, default=LEVELS, help="comma list of " + ",".join(LEVELS))
-    p.add_argument("--sites", type=_csv, help=SITES_HELP)
+    p.add_argument(
+        "--levels",
+        type=comma_list,
+        help="comma list of " + ",".join(LEVELS) + " (default: all)",
+    )
+    p.add_argument("--sites", type=comma_list, help=SITES_HELP)
+
+
+def _given_run_flags(args) -> list[str]:
+    """The flags of :data:`RUN_FLAGS` given on the command line."""
+    return [f for f in RUN_FLAGS if getattr(args, f[2:]) is not None]
 
 
 def _add_node_flags(p: argparse.ArgumentParser) -> None:
@@ -80,7 +94,7 @@ def _add_node_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--timeout",
-        type=_positive,
+        type=positive_float,
         default=DEFAULT_TIMEOUT,
         metavar="SECONDS",
         help="seconds a node may take to deliver its trace before it is stopped "
@@ -106,7 +120,14 @@ def _add_output_flags(p: argparse.ArgumentParser, what: str) -> None:
 
 def register(subparsers) -> None:
     """Adds ``record``, ``compare``, ``scan`` and ``sites`` to the ``sdcguard`` command line."""
-    p = subparsers.add_parser("record", help="run a replay task here and write its trace")
+    p = subparsers.add_parser(
+        "record",
+        help="run a replay task here and write its trace",
+        description="Runs the task on this machine (deterministic XLA flags) and writes its "
+        "trace: every submodule's inputs and outputs of step 0, the steps' losses, gradients "
+        "and parameters, and the environment's fingerprint. compare and scan read such traces "
+        "(trace:DIR) and run this command on other nodes. Exit 0 written, 2 could not record.",
+    )
     _add_run_flags(p)
     p.add_argument(
         "--out",
@@ -118,11 +139,11 @@ def register(subparsers) -> None:
     p.add_argument("--reference", help="healthy node's trace to lock-step to ('-': stdin)")
     p.add_argument(
         "--arm",
-        type=_csv,
+        type=comma_list,
         help="sites with injection code ('-': none; default: "
         "those of --inject); compared nodes must arm the same sites",
     )
-    p.add_argument("--device", type=int, default=0, help="local device index")
+    p.add_argument("--device", type=non_negative_int, default=0, help="local device index")
     p.add_argument(
         "--stream-token",
         default="sdcguard",
@@ -130,7 +151,14 @@ def register(subparsers) -> None:
     )
     p.set_defaults(handler=record_command)
 
-    p = subparsers.add_parser("compare", help="replay a task on two nodes and diff them")
+    p = subparsers.add_parser(
+        "compare",
+        help="replay a task on two nodes and diff them",
+        description="Runs the same training steps on a healthy node A and a suspect node B "
+        "(B lock-stepped to A's trace), compares every recorded tensor and names the first "
+        "submodule where they diverge. With no nodes given, compares this machine with itself "
+        "(a determinism check). Exit 0 identical, 1 B diverges from A, 2 could not compare.",
+    )
     _add_run_flags(p)
     p.add_argument("--node-a", default="local", help="healthy node (default: local)")
     p.add_argument("--node-b", default="local", help="suspect node (default: local)")
@@ -150,7 +178,7 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--arm",
-        type=_csv,
+        type=comma_list,
         default=(),
         help="extra sites to compile injection "
         "code for on both nodes (default: the sites of --inject-a/-b)",
@@ -175,16 +203,24 @@ def register(subparsers) -> None:
     _add_run_flags(p)
     p.add_argument(
         "--nodes",
-        type=_csv,
+        type=comma_list,
         required=True,
-        help="comma list of nodes: host names (through --launcher), local:N, trace:DIR, local",
+        help="comma list of nodes: host names (through --launcher), local:N (a process on "
+        "device N), trace:DIR (a recorded trace), local (this process); local and local:N may "
+        "repeat: 'local,local,local' is a scan of three runs on this machine",
     )
-    p.add_argument("--jobs", type=int, default=8, help="nodes run at a time (default: 8)")
+    p.add_argument("--jobs", type=integer, default=8, help="nodes run at a time (default: 8)")
     _add_node_flags(p)
     _add_output_flags(p, "status, exit_code, suspects, groups, one entry per node")
     p.set_defaults(handler=scan_command)
 
-    p = subparsers.add_parser("sites", help="list the sites of a replay task")
+    p = subparsers.add_parser(
+        "sites",
+        help="list the sites of a replay task",
+        description="Prints every site of the task, one per line (what --inject, --inject-b "
+        "and --arm take), and on stderr the submodules that --sites patterns select among. "
+        "Traces the task only (nothing runs). Exit 0, or 2 if --match matches nothing.",
+    )
     p.add_argument(
         "--task",
         default="sdcguard.replay.task:reference_task",
@@ -199,14 +235,15 @@ def register(subparsers) -> None:
 
 
 def _record_options(args, **extra):
-    from sdcguard.replay.record import RecordOptions
+    from sdcguard.replay.record import LEVELS, RecordOptions
+    from sdcguard.replay.task import DEFAULT_TASK
 
     return RecordOptions(
-        task=args.task,
+        task=DEFAULT_TASK if args.task is None else args.task,
         steps=args.steps,
         seed=args.seed,
         checkpoint=args.checkpoint,
-        levels=args.levels,
+        levels=LEVELS if args.levels is None else args.levels,
         sites=args.sites,
         **extra,
     )
@@ -254,7 +291,6 @@ def _progress(log_lines: bool = True):
 
 
 def _message(e: BaseException) -> str:
-    from sdcguard.cli import one_line
     from sdcguard.replay.diff import FingerprintMismatch
     from sdcguard.replay.nodes import NodeError
     from sdcguard.replay.task import TaskError
@@ -275,8 +311,6 @@ def _run(args, fn, command: str) -> int:
 
     With ``--json``, the report is written on that path too (``status: error``).
     """
-    from sdcguard.cli import check_output_dir, check_output_file, error
-
     json_file = getattr(args, "json_file", None)
     json_ok = False
     try:
@@ -307,7 +341,7 @@ def record_command(args) -> int:
 
 def _record(args) -> int:
     from sdcguard.replay.nodes import progress_line
-    from sdcguard.replay.record import open_trace, record
+    from sdcguard.replay.record import open_trace, record_trace
     from sdcguard.replay.trace import (
         check_token,
         clean_stale,
@@ -342,12 +376,12 @@ def _record(args) -> int:
             def progress(phase, done, total):
                 print(progress_line(phase, done, total), file=sys.stderr, flush=True)
 
-            manifest = record(options, out, reference=reference, progress=progress)
+            manifest = record_trace(options, out, reference=reference, progress=progress)
             write_trace_frames(out, stream, args.stream_token)
             stream.close()
         else:
             with _progress() as (update, _):
-                manifest = record(
+                manifest = record_trace(
                     options, out, reference=reference, progress=lambda *a: update("record", *a)
                 )
             print(f"wrote trace {args.out} ({len(manifest['arrays'])} arrays)", file=sys.stderr)
@@ -362,11 +396,16 @@ def compare_command(args) -> int:
 
 
 def _compare(args) -> int:
-    from rich.console import Console
-
     from sdcguard.replay import report
     from sdcguard.replay.compare import CompareOptions, compare_nodes
 
+    given = _given_run_flags(args)
+    if given and args.node_a.startswith("trace:"):
+        raise ValueError(
+            f"{', '.join(given)} would be ignored: node A is a recorded trace and node B "
+            "replays what A ran (its task, steps, seed, levels, sites); drop them, or record "
+            "A with them first"
+        )
     options = CompareOptions(
         node_a=args.node_a,
         node_b=args.node_b,
@@ -383,8 +422,8 @@ def _compare(args) -> int:
     )
     with _progress() as (update, log):
         comparison = compare_nodes(options, progress=update, log=log)
-    # Wide enough for site names when the output is not a terminal (pipes, CI logs).
-    report.render(comparison, Console(width=None if sys.stdout.isatty() else 160))
+    # Off a terminal (pipes, CI logs) no table is cut at 80 columns.
+    report.render(comparison, make_console())
     code = EXIT_IDENTICAL if comparison.identical else EXIT_DIVERGED
     if args.keep and not args.out:
         print(f"kept the traces: {comparison.a['trace']}, {comparison.b['trace']}", file=sys.stderr)
@@ -402,11 +441,16 @@ def scan_command(args) -> int:
 
 
 def _scan(args) -> int:
-    from rich.console import Console
-
     from sdcguard.replay import report
     from sdcguard.replay.scan import ScanOptions, scan_nodes
 
+    given = _given_run_flags(args)
+    if given and all(n.startswith("trace:") for n in args.nodes):
+        raise ValueError(
+            f"{', '.join(given)} would be ignored: every node is a recorded trace "
+            "(trace:DIR), which runs nothing; drop them, or add nodes that run (local, "
+            "local:N, hosts)"
+        )
     options = ScanOptions(
         nodes=args.nodes,
         record=_record_options(args),
@@ -420,7 +464,7 @@ def _scan(args) -> int:
     # Many nodes: their stderr is kept for the error messages, not echoed.
     with _progress(log_lines=False) as (update, log):
         result = scan_nodes(options, progress=update, log=log)
-    report.render_scan(result, Console(width=None if sys.stdout.isatty() else 160))
+    report.render_scan(result, make_console())
     if args.keep and not args.out:
         kept = sorted({os.path.dirname(n.trace) for n in result.nodes if n.trace})
         print(f"kept the traces in {', '.join(kept)}", file=sys.stderr)

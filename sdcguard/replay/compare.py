@@ -69,28 +69,40 @@ class CompareOptions:
 def check(options: CompareOptions) -> tuple[nodes.Node, nodes.Node]:
     """Checks every option that can be checked before a node runs; returns the parsed nodes.
 
-    The task is loaded here (and fault specs and ``--sites`` patterns checked against it)
-    when a node runs here (``local``, ``local:N``) or the options name sites; a comparison of
-    host nodes (and recorded traces) alone with neither does not need the task on this
-    machine.
+    Both nodes are checked before either runs: a ``trace:`` node must hold a trace, a host
+    node's launcher must be a command found here. The task is loaded (and fault specs and
+    ``--sites`` patterns checked against it) when a node runs here (``local``, ``local:N``)
+    or the options name sites; a comparison of host nodes (and recorded traces) alone with
+    neither does not need the task on this machine. Errors name the flag that gave the value
+    (``--inject-b``, ``--arm``).
 
     Raises:
-      NodeError, TaskError, ValueError: one line, naming what is wrong.
+      NodeError, TaskError, TraceError, ValueError: one line, naming what is wrong.
     """
     node_a, node_b = nodes.check_nodes([options.node_a, options.node_b], options.launch())
     opts_a, opts_b = options.node_options()
     for opts in (opts_a, opts_b):
         opts.faults()  # a malformed spec fails here, with no task loaded
+    flags = {"a": "--inject-a", "b": "--inject-b"}
     runs_here = bool({node_a.kind, node_b.kind} & {"local", "device"})
     if node_b.kind == "trace":
         return node_a, node_b  # B runs nothing (and A's trace, if any, is opened later)
     if node_a.kind == "trace":
         if runs_here or opts_b.inject:  # B replays A's recorded options
-            check_options(_replay_options(open_trace(node_a.value), opts_b.inject))
+            replay = _replay_options(open_trace(node_a.value), opts_b.inject)
+            check_options(replay, inject_flag=flags["b"])
         return node_a, node_b
     if runs_here or opts_a.inject or opts_b.inject or opts_a.armed or opts_a.sites:
-        check_options(opts_a)
-        check_options(opts_b)
+        # Each node arms the sites of both nodes' faults: an unknown one is named by the flag
+        # that gave it, whichever node is checked first.
+        armed_by = {
+            f.site: f"{flags[node]} {spec!r}"
+            for node, specs in (("b", options.inject_b), ("a", options.inject_a))
+            for spec, f in zip(specs, RecordOptions(inject=specs).faults(), strict=True)
+        }
+        task = opts_a.load_task()
+        check_options(opts_a, task, inject_flag=flags["a"], armed_by=armed_by)
+        check_options(opts_b, task, inject_flag=flags["b"], armed_by=armed_by)
     return node_a, node_b
 
 
@@ -153,7 +165,9 @@ def compare_nodes(options: CompareOptions, *, progress=None, log=None) -> diff.C
             if node_a.kind == "trace" and node_b.kind != "trace":
                 opts_b = _replay_options(trace_a, opts_b.inject)  # checked by check()
             trace_b = run(node_b, opts_b, "b", reference=trace_a)
-            comparison = diff.compare(trace_a, trace_b, allow_mismatch=options.allow_mismatch)
+            comparison = diff.compare_traces(
+                trace_a, trace_b, allow_mismatch=options.allow_mismatch
+            )
             if removed:  # the traces go with the temporary directory
                 for summary, node in ((comparison.a, node_a), (comparison.b, node_b)):
                     if node.kind != "trace":

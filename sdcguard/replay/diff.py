@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import numpy as np
 
@@ -237,8 +238,24 @@ def _node_summary(t: Trace) -> dict:
     }
 
 
-def compare(a: Trace, b: Trace, *, allow_mismatch: bool = False) -> Comparison:
+def compare(*args, **kwargs) -> Comparison:
+    """Deprecated name of :func:`compare_traces` (as ``sdcguard.replay.compare`` it shadowed
+    the module of ``sdcguard compare``)."""
+    warnings.warn(
+        "sdcguard.replay.diff.compare is deprecated and will be removed in the next release: "
+        "call sdcguard.replay.compare_traces (same arguments)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return compare_traces(*args, **kwargs)
+
+
+def compare_traces(a: Trace, b: Trace, *, allow_mismatch: bool = False) -> Comparison:
     """Compares trace ``b`` (suspect) against trace ``a`` (reference).
+
+    Example:
+      >>> comparison = compare_traces(open_trace("traceA"), open_trace("traceB"))
+      >>> comparison.first_divergence
 
     Raises:
       FingerprintMismatch: environments differ and not ``allow_mismatch``.

@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from sdcguard.replay.record import RecordOptions, open_trace, record
+from sdcguard.replay.record import RecordOptions, open_trace, record_trace
 from sdcguard.replay.trace import (
     Trace,
     TraceError,
@@ -131,7 +131,8 @@ def check_nodes(names: Sequence[str], launch: Launch) -> list[Node]:
 
     Raises:
       NodeError: a bad name, a host without a launcher, a launcher template without
-        ``{node}`` or that shlex cannot split, a remote command shlex cannot split.
+        ``{node}`` or that shlex cannot split or whose command is not found here, a remote
+        command shlex cannot split, a ``trace:`` node that holds no valid trace.
     """
     parsed = [parse_node(n) for n in names]
     if any(n.kind == "host" for n in parsed):
@@ -141,8 +142,19 @@ def check_nodes(names: Sequence[str], launch: Launch) -> list[Node]:
                 f"node {host} is a host: give --launcher (e.g. 'ssh {{node}}' or "
                 "'srun -w {node} --') to run sdcguard record there"
             )
-        launcher_argv(launch.launcher, host, [])
+        program = launcher_argv(launch.launcher, host, [])[0]
+        if "{node}" not in shlex.split(launch.launcher)[0] and shutil.which(program) is None:
+            raise NodeError(
+                f"--launcher {launch.launcher!r}: the command {program!r} is not found here; "
+                "give a command on PATH (ssh, srun) or its full path"
+            )
         _remote(launch.remote_command)
+    for node in parsed:
+        if node.kind == "trace":
+            try:
+                open_trace(node.value)  # before any node runs, not after node A's minutes
+            except TraceError as e:
+                raise NodeError(f"node {node}: {e}") from None
     return parsed
 
 
@@ -468,7 +480,7 @@ def run_node(
         return open_trace(node.value)
     if node.kind == "local":
         # A failed record leaves nothing (and a trace already at ``out`` untouched).
-        record(options, out, reference=reference, progress=progress)
+        record_trace(options, out, reference=reference, progress=progress)
         return open_trace(out)
     token = secrets.token_hex(8)
     if node.kind == "device":

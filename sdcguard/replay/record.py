@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -123,30 +124,38 @@ def unknown_site_message(name: str, sites: Sequence[str]) -> str:
 
 
 def check_faults(
-    options: RecordOptions, task: ReplayTask, sizes: dict[str, int], dtypes: dict[str, str]
+    options: RecordOptions,
+    task: ReplayTask,
+    sizes: dict[str, int],
+    dtypes: dict[str, str],
+    *,
+    flag: str = "--inject",
 ) -> list[inject.Fault]:
     """The parsed fault specs of ``options``, each checked against its site and the run.
 
+    Args:
+      flag: the flag that gave the specs (``--inject``, ``--inject-b``), named in errors.
+
     Raises:
-      ValueError: one line naming the spec and what is wrong: an unknown site, an element
-        index beyond the site's tensor, a step that does not run (or below -1, which means
-        every step), a bit at or beyond the width of the site's dtype.
+      ValueError: one line naming the flag, the spec and what is wrong: an unknown site, an
+        element index beyond the site's tensor, a step that does not run (or below -1, which
+        means every step), a bit at or beyond the width of the site's dtype.
     """
     faults = []
     run_steps = options.run_steps(task)
     for spec in options.inject:
         f = inject.parse_spec(spec)
         if f.site not in sizes:
-            raise ValueError(f"fault spec {spec!r}: {unknown_site_message(f.site, sizes)}")
+            raise ValueError(f"{flag} {spec!r}: {unknown_site_message(f.site, sizes)}")
         n = sizes[f.site]
         if f.index is not None and f.index >= n:
             raise ValueError(
-                f"fault spec {spec!r}: index {f.index} is beyond site {f.site!r}, which has "
+                f"{flag} {spec!r}: index {f.index} is beyond site {f.site!r}, which has "
                 f"{n} elements (index 0 to {n - 1})"
             )
         if f.step < -1:
             raise ValueError(
-                f"fault spec {spec!r}: step {f.step}; give a step from 0, or -1 for every step"
+                f"{flag} {spec!r}: step {f.step}; give a step from 0, or -1 for every step"
             )
         if f.step >= run_steps:
             why = (
@@ -155,15 +164,14 @@ def check_faults(
                 else "without the trajectory level only step 0 runs"
             )
             raise ValueError(
-                f"fault spec {spec!r}: step {f.step} is beyond the run: {why}, so it would "
-                "never fire"
+                f"{flag} {spec!r}: step {f.step} is beyond the run: {why}, so it would never fire"
             )
         if f.kind == "bitflip":
             dtype = jax.numpy.dtype(dtypes[f.site])
             width = dtype.itemsize * 8
             if f.bit >= width:
                 raise ValueError(
-                    f"fault spec {spec!r}: bit {f.bit} is beyond site {f.site!r}, a {dtype.name} "
+                    f"{flag} {spec!r}: bit {f.bit} is beyond site {f.site!r}, a {dtype.name} "
                     f"tensor (bit 0 to {width - 1})"
                 )
         faults.append(f)
@@ -191,10 +199,24 @@ def check_site_patterns(patterns: Sequence[str], modules: Sequence[str], sites: 
             )
 
 
-def check_options(options: RecordOptions, task: ReplayTask | None = None) -> list[inject.Fault]:
+def check_options(
+    options: RecordOptions,
+    task: ReplayTask | None = None,
+    *,
+    inject_flag: str = "--inject",
+    armed_by: Mapping[str, str] | None = None,
+) -> list[inject.Fault]:
     """Checks fault specs, armed sites and ``--sites`` patterns against the task.
 
     Nothing runs: shapes come from abstract evaluation (``jax.eval_shape``).
+
+    Args:
+      options: what the node runs.
+      task: the loaded task (None: loaded from ``options``).
+      inject_flag: the flag that gave ``options.inject``, named in errors.
+      armed_by: for armed sites that another flag put there (``sdcguard compare`` arms the
+        sites of ``--inject-a`` and ``--inject-b`` on both nodes), that flag and spec, named
+        when the site is unknown; other armed sites came from ``--arm``.
 
     Returns:
       The parsed faults.
@@ -208,11 +230,13 @@ def check_options(options: RecordOptions, task: ReplayTask | None = None) -> lis
     batch = task.batch(0)
     programs = programs_for(task, options)
     sizes = programs.site_sizes(params, opt_state, batch)
-    faults = check_faults(options, task, sizes, programs.site_dtypes(params, opt_state, batch))
+    dtypes = programs.site_dtypes(params, opt_state, batch)
+    faults = check_faults(options, task, sizes, dtypes, flag=inject_flag)
     armed = options.armed_sites()
     for site in armed:
         if site not in sizes:
-            raise ValueError(f"--arm: {unknown_site_message(site, sizes)}")
+            source = (armed_by or {}).get(site, "--arm")
+            raise ValueError(f"{source}: {unknown_site_message(site, sizes)}")
     for f in faults:
         if f.site not in armed:  # compared nodes must compile the same injection sites
             raise ValueError(
@@ -238,7 +262,7 @@ def _write_tree(writer: TraceWriter, prefix: str, named: dict) -> None:
         writer.add(f"{prefix}/{name}", np.asarray(x))
 
 
-def record(
+def record_trace(
     options: RecordOptions,
     out: str,
     *,
@@ -264,6 +288,17 @@ def record(
         raise ValueError(f"device {options.device} does not exist here ({len(devices)} devices)")
     with jax.default_device(devices[options.device]):
         return _record(task, options, out, reference, progress)
+
+
+def record(*args, **kwargs) -> dict:
+    """Deprecated name of :func:`record_trace` (it shadowed this module in ``sdcguard.replay``)."""
+    warnings.warn(
+        "sdcguard.replay.record.record (sdcguard.record) is deprecated and will be removed in "
+        "the next release: call sdcguard.replay.record_trace (same arguments)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return record_trace(*args, **kwargs)
 
 
 def _input_hashes(params, opt_state, batches) -> dict[str, str]:

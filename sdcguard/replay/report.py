@@ -8,6 +8,8 @@ import os
 from rich.console import Console
 from rich.table import Table
 
+from sdcguard.console import make_console
+from sdcguard.console import write_json as write_json_file
 from sdcguard.replay.diff import Comparison
 
 _METRICS = (
@@ -47,21 +49,17 @@ def json_safe(obj):
 def write_json(comparison: Comparison, path: str, **fields) -> None:
     """Writes the JSON report (``identical``, ``first_divergence``, one table per level, and
     ``fields`` such as ``status`` and ``exit_code``) atomically; OSError if it cannot."""
-    from sdcguard.cli import write_json as write
-
-    write(json_safe({**fields, **comparison.to_json()}), path)
+    write_json_file(json_safe({**fields, **comparison.to_json()}), path)
 
 
 def write_doc(doc: dict, path: str) -> None:
     """Writes any report dict as strict JSON, atomically (OSError if it cannot)."""
-    from sdcguard.cli import write_json as write
-
-    write(json_safe(doc), path)
+    write_json_file(json_safe(doc), path)
 
 
 def render(comparison: Comparison, console: Console | None = None) -> None:
     """Prints the comparison: summary, per-submodule table, step and trajectory tables."""
-    console = console or Console()
+    console = console or make_console()
     c = comparison
     first = c.first_divergence
     if c.fingerprint_differences:
@@ -168,7 +166,7 @@ def describe(row) -> str:
 
 def render_scan(result, console: Console | None = None) -> None:
     """Prints a scan: one row per node (status, group, time, first divergence or error)."""
-    console = console or Console()
+    console = console or make_console()
     table = Table(title=f"scan of {len(result.nodes)} nodes")
     for col in ("node", "status", "group", "seconds", "first divergence from the majority / error"):
         table.add_column(col)

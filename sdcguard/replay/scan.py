@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import re
+import threading
 import time
+from collections.abc import Sequence
 
+from sdcguard.console import one_line
 from sdcguard.replay import determinism, diff, nodes
 from sdcguard.replay.compare import workdir as make_workdir
 from sdcguard.replay.record import RecordOptions, check_options
@@ -42,8 +46,11 @@ class ScanOptions:
     """The ``sdcguard scan`` flags.
 
     Attributes:
-      nodes: node names (``local``, ``local:N``, ``trace:DIR``, hosts); at least two, each
-        once.
+      nodes: node names (``local``, ``local:N``, ``trace:DIR``, hosts); at least two. Hosts
+        and traces are given once each; ``local`` and ``local:N`` may repeat: each is one more
+        run on this machine (``local,local,local``: a scan of three runs here, in this
+        process one after the other; ``local:0,local:0``: two processes on device 0). Repeated
+        nodes are named ``local#1``, ``local#2``... in the results.
       record: what every node runs (no fault injection: a scan looks for real corruption).
       launcher, remote_command, timeout: how host nodes are reached (see
         :class:`sdcguard.replay.nodes.Launch`); ``timeout`` is per node run.
@@ -65,9 +72,16 @@ class ScanOptions:
         object.__setattr__(self, "nodes", tuple(self.nodes))
         if len(self.nodes) < 2:
             raise ValueError(f"a scan needs at least 2 nodes, got {len(self.nodes)}")
-        repeated = [n for n, c in collections.Counter(self.nodes).items() if c > 1]
+        repeated = [
+            n
+            for n, c in collections.Counter(self.nodes).items()
+            if c > 1 and not (n == "local" or n.startswith("local:"))
+        ]
         if repeated:
-            raise ValueError(f"node {repeated[0]!r} is given more than once")
+            raise ValueError(
+                f"node {repeated[0]!r} is given more than once (only local and local:N may "
+                "repeat: runs on this machine)"
+            )
         if self.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {self.jobs}")
         if self.record.inject:
@@ -170,15 +184,22 @@ def check(options: ScanOptions) -> list[nodes.Node]:
     runs_here = any(n.kind in ("local", "device") for n in parsed)
     if (runs_here or options.record.sites) and any(n.kind != "trace" for n in parsed):
         check_options(options.record)
-    if sum(n.kind == "local" for n in parsed) > 1:
-        raise ValueError("at most one in-process 'local' node")
     return parsed
+
+
+def node_labels(names: Sequence[str]) -> list[str]:
+    """The nodes' names in the results: a repeated name gets ``#1``, ``#2``... (runs here)."""
+    counts = collections.Counter(names)
+    seen: collections.Counter = collections.Counter()
+    labels = []
+    for name in names:
+        seen[name] += 1
+        labels.append(f"{name}#{seen[name]}" if counts[name] > 1 else name)
+    return labels
 
 
 def _reason(e: Exception) -> str:
     """Why a node failed, in one line (the type too when it is not an expected error)."""
-    from sdcguard.cli import one_line
-
     if isinstance(e, ValueError | OSError):  # NodeError, TaskError, TraceError among them
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
         return lines[0] if lines else type(e).__name__
@@ -211,8 +232,11 @@ def scan_nodes(options: ScanOptions, *, progress=None, log=None) -> ScanResult:
       NodeError, TaskError, ValueError: bad options (before any node runs).
     """
     parsed = check(options)
+    labels = node_labels(options.nodes)
     start = time.monotonic()
-    results = [NodeResult(node=n) for n in options.nodes]
+    results = [NodeResult(node=n) for n in labels]
+    # In-process runs take turns (one JAX runtime); the other nodes run beside them.
+    in_process = threading.Lock()
     traces: dict[int, Trace] = {}
     processes = nodes.Processes()
     report = progress or (lambda *_: None)
@@ -221,19 +245,22 @@ def scan_nodes(options: ScanOptions, *, progress=None, log=None) -> ScanResult:
         try:
 
             def run(i: int, reference: Trace | None = None, prefix: str = ""):
-                name = options.nodes[i]
-                t0 = time.monotonic()
-                trace = nodes.run_node(
-                    parsed[i],
-                    options.record,
-                    out=os.path.join(work, _dir_name(i, name) + ("-lockstep" if prefix else "")),
-                    reference=reference,
-                    launch=options.launch(),
-                    progress=lambda phase, d, n: report(name, prefix + phase, d, n),
-                    log=None if log is None else (lambda line: log(name, line)),
-                    processes=processes,
-                )
-                return trace, time.monotonic() - t0
+                name = labels[i]
+                with in_process if parsed[i].kind == "local" else contextlib.nullcontext():
+                    t0 = time.monotonic()
+                    trace = nodes.run_node(
+                        parsed[i],
+                        options.record,
+                        out=os.path.join(
+                            work, _dir_name(i, name) + ("-lockstep" if prefix else "")
+                        ),
+                        reference=reference,
+                        launch=options.launch(),
+                        progress=lambda phase, d, n: report(name, prefix + phase, d, n),
+                        log=None if log is None else (lambda line: log(name, line)),
+                        processes=processes,
+                    )
+                    return trace, time.monotonic() - t0
 
             futures = {pool.submit(run, i): i for i in range(len(parsed))}
             for future in concurrent.futures.as_completed(futures):
@@ -241,10 +268,10 @@ def scan_nodes(options: ScanOptions, *, progress=None, log=None) -> ScanResult:
                 try:
                     traces[i], results[i].seconds = future.result()
                     results[i].trace = traces[i].path
-                    report(options.nodes[i], "done", 1, 1)
+                    report(labels[i], "done", 1, 1)
                 except Exception as e:  # one node failing must not end the scan
                     results[i].error = _reason(e)
-                    report(options.nodes[i], "failed", 1, 1)
+                    report(labels[i], "failed", 1, 1)
             status, groups, majority, reason = _group(results, traces)
             if majority is not None:
                 _explain_suspects(options, results, traces, groups[majority], pool, run)
@@ -343,7 +370,7 @@ def _explain_suspects(options, results, traces, majority_nodes, pool, run) -> No
     }
     for i in suspects:
         try:
-            free = diff.compare(reference, traces[i])
+            free = diff.compare_traces(reference, traces[i])
         except ValueError as e:  # FingerprintMismatch, TraceError: the traces say why
             results[i].error = str(e).splitlines()[0]
             free = None
@@ -352,7 +379,7 @@ def _explain_suspects(options, results, traces, majority_nodes, pool, run) -> No
             continue
         try:
             rerun, _ = reruns[i].result()
-            results[i].comparison = diff.compare(reference, rerun)
+            results[i].comparison = diff.compare_traces(reference, rerun)
         except Exception as e:
             results[i].rerun_error = _reason(e)
         if results[i].comparison is not None and results[i].comparison.identical:

@@ -123,8 +123,7 @@ def restore_params(directory: str, abstract_params):
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(directory)
-    if not os.path.isdir(path):
-        raise TaskError(f"checkpoint directory {directory!r} does not exist")
+    check_checkpoint_dir(directory)
     try:
         with ocp.StandardCheckpointer() as ckpt:
             return ckpt.restore(path, abstract_params)
@@ -133,6 +132,22 @@ def restore_params(directory: str, abstract_params):
             f"could not restore the task's parameters from checkpoint {directory!r}: "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         ) from None
+
+
+def check_checkpoint_dir(directory: str) -> None:
+    """A checkpoint (``--checkpoint``) is a directory that exists.
+
+    Raises:
+      TaskError: one line saying which it is not, and what to give.
+    """
+    if os.path.isdir(directory):
+        return
+    if os.path.exists(directory):
+        raise TaskError(
+            f"--checkpoint {directory!r} is a file, not a checkpoint: give the directory that "
+            "sdcguard.replay.save_params (Orbax) wrote"
+        )
+    raise TaskError(f"--checkpoint directory {directory!r} does not exist")
 
 
 def save_params(directory: str, params) -> None:
@@ -218,8 +233,8 @@ def load_task(
         for k, v in (("steps", steps), ("seed", seed), ("checkpoint", checkpoint))
         if v is not None
     }
-    if "checkpoint" in overrides and not os.path.isdir(overrides["checkpoint"]):
-        raise TaskError(f"checkpoint directory {checkpoint!r} does not exist")
+    if "checkpoint" in overrides:
+        check_checkpoint_dir(overrides["checkpoint"])
     return dataclasses.replace(task, **overrides) if overrides else task
 
 
