@@ -167,7 +167,7 @@ def register(subparsers) -> None:
         "--dtype",
         type=_dtype,
         default=d.dtype,
-        help="computation dtype: fp32 or bf16 (float32, bfloat16 also accepted; default "
+        help="computation dtype: fp32, bf16 or fp16 (float32, bfloat16, float16 also accepted; default "
         "%(default)s)",
     )
     p.add_argument(

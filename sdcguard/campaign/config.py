@@ -28,13 +28,13 @@ from sdcguard.training import (
 
 PROTECTIONS = ("off", "abft", "abft+guard", "abft-recompute")
 DEFAULT_PROTECTIONS = ("off", "abft", "abft+guard")
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # The other spelling of each dtype (``sdcguard demo --dtype float32``), accepted everywhere.
 DTYPE_ALIASES = {v: k for k, v in DTYPES.items()}
 DTYPE_BITS = {"fp32": 32, "bf16": 16}
 # Exponent bits (counted from the least significant bit) of each dtype's bit pattern: the
 # "high-exponent" flips of the targets, and the default bit range of `bitflip`.
-EXPONENT_BITS = {"fp32": (23, 30), "bf16": (7, 14)}
+EXPONENT_BITS = {"fp32": (23, 30), "bf16": (7, 14), "fp16": (10, 14)}
 # The module outputs added by `include_outputs`: every block's and every MLP's output.
 OUTPUT_GROUPS = ("{stack}/block_*:output", "{stack}/block_*/mlp:output")
 DEFAULT_KINDS = ("inf", "-inf", "nan", "near_inf", "bitflip")
