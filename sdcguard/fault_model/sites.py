@@ -110,7 +110,7 @@ _PROJECTIONS = (
     *("q_einsum", "kv_einsum", "qkv_einsum", "attn_vec_einsum"),
     *("query_proj", "key_proj", "value_proj", "output_proj"),
 )
-_HEADS = ("head", "lm_head", "logits", "unembed")
+_HEADS = ("head", "lm_head", "logit", "unembed")  # logit: logits, logitdense (Flax lm1b)
 # An embedding's method that reads it as the output head (linen's Embed.attend, Gemma's decode).
 _HEAD_METHODS = ("attend", "decode")
 # Separators of a module path's components: linen/NNX ``a/b/0``, Equinox ``a.b[0]``.
@@ -123,10 +123,11 @@ def site_class(name: str) -> str:
     ``output`` (a module output), ``attention`` (the score and context GEMMs and the softmax:
     ``attn:scores``, ``attn:context``), ``projection`` (the query, key, value and output
     projections of an attention layer: ``attn/query``, ``attn/q_einsum``,
-    ``attn.query_proj``), ``mlp`` (under a module named ``mlp...``), ``head`` (the output head or
-    the embedding read as one: ``embed:attend``, ``embedder:decode``, ``head``, ``lm_head``,
-    ``logits``), else ``other``. Module paths may be written ``a/b/0`` (linen, NNX) or
-    ``a.b[0]`` (Equinox). Backward sites share their forward site's class.
+    ``attn.query_proj``), ``mlp`` (under a module named ``mlp...``), ``head`` (the output head
+    or the embedding read as one: ``embed:attend``, ``embedder:decode``, ``head``,
+    ``lm_head``, ``logits``), else ``other``. Module names match in any case (Flax's
+    ``MlpBlock_0``), and paths may be written ``a/b/0`` (linen, NNX) or ``a.b[0]`` (Equinox).
+    Backward sites share their forward site's class.
 
     Example:
       >>> site_class("decoder/block_0/attn/query:dot_general.grad_rhs")
@@ -138,7 +139,8 @@ def site_class(name: str) -> str:
         return "output"
     path, site = split_site(name)
     site = site.split(".grad_")[0]
-    parts = [p for p in _COMPONENTS.split(path) if p]
+    # Flax names unnamed modules by class: MlpBlock_0, MultiHeadDotProductAttention_0.
+    parts = [p.lower() for p in _COMPONENTS.split(path) if p]
     if site in _HEAD_METHODS or any(p in _HEAD_METHODS or p.startswith(_HEADS) for p in parts):
         return "head"
     if any(p.startswith("mlp") for p in parts):

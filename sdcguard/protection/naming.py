@@ -177,7 +177,7 @@ def module_of_path(path: str | None) -> tuple[ModulePath, ModulePath] | None:
     if not path:
         return None
     keys = _parse_keystr(path)[2:]  # less (args, kwargs) and the argument's position or name
-    nnx_variable = len(keys) >= 2 and keys[-1] == ("attr", "value") and keys[-2][0] == "attr"
+    nnx_variable = len(keys) >= 2 and keys[-1] == ("attr", "value")
     if nnx_variable:
         keys = keys[:-1]
     if keys and keys[0][1] == "params":  # a linen variables dict, or a train state's field
@@ -208,7 +208,8 @@ class Flow(NamedTuple):
     """Where a value of the program comes from.
 
     Attributes:
-      params: the indices of the traced arguments it is (moved, cast or sliced).
+      params: the indices of the traced arguments it is (moved, cast or sliced), of those
+        arguments that a module owns.
       producers: the GEMMs (indices in program order) nearest upstream of it; ``None`` for
         more than ``_MAX_PRODUCERS``.
     """
@@ -482,8 +483,7 @@ class _Namer:
         self.roots = self._scope_roots()
 
     def weight_of_gemm(self, g: Gemm) -> None:
-        lhs = [i for i in g.lhs_flow.params if self.owners[i] is not None]
-        rhs = [i for i in g.rhs_flow.params if self.owners[i] is not None]
+        lhs, rhs = list(g.lhs_flow.params), list(g.rhs_flow.params)
         if not lhs and not rhs:
             return
         # The deeper-owned weight (a GEMM of two parameters: LoRA's A·B, or a positional table
@@ -576,7 +576,10 @@ def name_gemms(jaxpr, input_paths: Sequence[str | None] = ()) -> dict[int, tuple
     forward GEMM it differentiates, with ``.grad_lhs`` / ``.grad_rhs``.
     """
     paths = list(input_paths) + [None] * (len(jaxpr.invars) - len(input_paths))
-    flows = [Flow(frozenset({i}), frozenset()) for i in range(len(jaxpr.invars))]
+    owned = [module_of_path(p) is not None for p in paths]
+    flows = [
+        Flow(frozenset({i}) if owned[i] else frozenset(), frozenset()) for i in range(len(paths))
+    ]
     gemms = collect_gemms(jaxpr, input_flows=flows)
     namer = _Namer(gemms, paths)
     is_forward = [not g.backward and not g.in_remat for g in gemms]
