@@ -239,7 +239,9 @@ def train_step(
     Example:
       >>> model = Gemma(GemmaConfig(), rngs=nnx.Rngs(0))
       >>> optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+      >>> tokens = jnp.zeros((2, 17), jnp.int32)
       >>> model, optimizer, value = jax.jit(train_step)(model, optimizer, tokens)
+      >>> step, report = sdcguard.checked(train_step)(model, optimizer, tokens)
     """
     value, grads = nnx.value_and_grad(loss)(model, tokens)
     optimizer.update(model, grads)

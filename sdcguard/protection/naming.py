@@ -46,6 +46,10 @@ and projection apart, and adding a layer renames no other. The same rule holds f
 scopes carry the root module's class (``GPT/decoder/...``) that no other tool shows; so one rule
 gives one scheme. Attention's core GEMMs have no parameter; their operands' producers do.
 
+Why one module: the walk over the program (:func:`collect_gemms`: each GEMM, where its operands
+come from, which variables hold the same value) exists to name GEMMs, and the rules above and the
+pairing of backward GEMMs read nothing else; split, each half would be read with the other.
+
 Example:
   >>> closed = jax.make_jaxpr(train_step)(params, opt_state, batch)
   >>> name_gemms(closed.jaxpr, input_paths)   # {id(eqn): ("mlp/fc_in:dot_general", "forward")}
