@@ -154,12 +154,8 @@ class ModulePath:
     def __str__(self) -> str:
         if self.slashed:
             return "/".join(name for _, name in self.keys)
-        out = ""
-        for kind, name in self.keys:
-            out += (
-                f".{name}" if kind == "attr" else f"[{name}]" if kind == "index" else f"[{name!r}]"
-            )
-        return out.lstrip(".")
+        written = {"attr": ".{}", "index": "[{}]", "key": "[{!r}]"}
+        return "".join(written[kind].format(name) for kind, name in self.keys).lstrip(".")
 
     @property
     def parent(self) -> ModulePath:
@@ -299,17 +295,16 @@ class Gemm:
         # A function's own name, without the functions it is nested in (``f.<locals>.g``: g).
         names = [f.function_name.rsplit("<locals>.", 1)[-1] for f in frames]
         innermost = names[-1] if names else ""
-        method = innermost.rsplit(".", 1)[-1] if "." in innermost else ""
-        self.method = "" if method in ("", "__call__", "<lambda>") else method
+        inner = innermost.rsplit(".", 1)[-1]
+        inner = "" if inner in ("__call__", "<lambda>") else inner
+        self.method = inner if "." in innermost else ""  # Embed.attend: attend
         if len(frames) == 1:
             # Bodies of scan, while and checkpoint keep only their innermost frame: its lexical
             # nesting (``loss.<locals>.layer``: ``loss/layer``) is what is left of the path.
             names = frames[0].function_name.split(".<locals>.")
         self.call_path = "/".join(names)
         if _is_path(self.scope):
-            inner = innermost.rsplit(".", 1)[-1]
-            what = inner if inner and inner not in ("__call__", "<lambda>") else "dot_general"
-            self.base = f"{self.scope}:{what}"
+            self.base = f"{self.scope}:{inner or 'dot_general'}"
         else:
             self.base = f"{self.call_path or self.scope or 'fn'}:dot_general"
         lhs, rhs = eqn.invars[:2]
@@ -483,19 +478,13 @@ class _Namer:
         self.place: dict[int, tuple[ModulePath, str]] = {}
         self.weight_of: dict[int, int] = {}  # GEMM index -> the argument it reads as weight
         for g in gemms:
-            self.weight_of_gemm(g)
+            weights = [(0, i) for i in g.lhs_flow.params] + [(1, i) for i in g.rhs_flow.params]
+            if weights:
+                # The deeper-owned weight (a GEMM of two parameters: LoRA's A·B, a positional
+                # table times a kernel); on a tie the right operand's, where x @ W keeps it.
+                depth = {i: len(self.owners[i][0].keys) for _, i in weights}
+                self.weight_of[g.index] = max(weights, key=lambda w: (depth[w[1]], w[0]))[1]
         self.roots = self._scope_roots()
-
-    def weight_of_gemm(self, g: Gemm) -> None:
-        lhs, rhs = list(g.lhs_flow.params), list(g.rhs_flow.params)
-        if not lhs and not rhs:
-            return
-        # The deeper-owned weight (a GEMM of two parameters: LoRA's A·B, or a positional table
-        # times a kernel); on a tie the right operand, where x @ W keeps its weight.
-        ranked = sorted(
-            (len(self.owners[i][0].keys), side, i) for side, ii in ((0, lhs), (1, rhs)) for i in ii
-        )
-        self.weight_of[g.index] = ranked[-1][2]
 
     def _scope_roots(self) -> set[tuple[str, ...]]:
         """Scope prefixes that no module path has: the class of linen's root module (``GPT``),
@@ -509,7 +498,7 @@ class _Namer:
                     roots.add(tuple(parts[: -len(names)]))
         return roots
 
-    def by_weight(self, g: Gemm, leaf_kept: bool) -> tuple[ModulePath, str]:
+    def by_weight(self, g: Gemm, leaf_kept: bool = False) -> tuple[ModulePath, str]:
         module, with_leaf = self.owners[self.weight_of[g.index]]
         return (with_leaf if leaf_kept else module), g.method or "dot_general"
 
@@ -542,18 +531,16 @@ class _Namer:
 
     def base_names(self, named: list[Gemm]) -> dict[int, str]:
         """``gemm index -> base name`` for ``named`` (in program order)."""
-        # Which modules hold several weights that GEMMs read: there the leaf names the site.
-        weights_by_site = collections.defaultdict(set)
+        weights_at: dict[tuple[ModulePath, str], set[int]] = collections.defaultdict(set)
         for g in named:
             if g.index in self.weight_of:
-                weights_by_site[tuple(map(str, self.by_weight(g, False)))].add(
-                    self.weight_of[g.index]
-                )
+                weights_at[self.by_weight(g)].add(self.weight_of[g.index])
         out = {}
         for g in named:
             if g.index in self.weight_of:
-                site = self.by_weight(g, False)
-                site = self.by_weight(g, len(weights_by_site[tuple(map(str, site))]) > 1)
+                site = self.by_weight(g)
+                if len(weights_at[site]) > 1:  # a module of several weights: the leaf says which
+                    site = self.by_weight(g, leaf_kept=True)
             else:
                 site = self.by_producers(g)
             if site is None:
