@@ -25,6 +25,7 @@ from sdcguard.fault_model.sites import site_class
 from sdcguard.models import gemma
 from sdcguard.protection import linen as linen_dropins
 from sdcguard.protection import naming, transform
+from sdcguard.protection import nnx as nnx_dropins
 from sdcguard.protection.abft import ABFTConfig
 
 
@@ -178,6 +179,37 @@ def test_linen_attention_core_is_named_as_the_dropins_name_it():
     dropins = {n for n in linen_dropins.site_counts(state["sdc"]) if n.rpartition(":")[2] in core}
     listed = {s.name for s in sdcguard.list_sites(step, params, opt_state, tokens)}
     assert len(dropins) == 4 and dropins <= listed
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=8, decode=False, rngs=rngs)
+        self.mlp = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, rngs):
+        self.blocks = nnx.List([NnxBlock(rngs) for _ in range(2)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_nnx_attention_core_is_named_as_the_nnx_dropins_name_it():
+    x = jnp.ones((2, 4, 8))
+    protected = nnx_dropins.protect(NnxNet(nnx.Rngs(0)))
+    protected(x)
+    core = ("scores", "context")
+    dropins = {n for n in nnx_dropins.sdc_stats(protected) if n.rpartition(":")[2] in core}
+    listed = {s.name for s in sdcguard.list_sites(lambda m, x: m(x).sum(), NnxNet(nnx.Rngs(0)), x)}
+    assert len(dropins) == 4 and dropins <= listed
+    assert "blocks/1/attn/query:dot_general" in listed
 
 
 @pytest.mark.slow  # compiles the whole checked step of the linen LM
