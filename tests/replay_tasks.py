@@ -63,7 +63,7 @@ def tiny() -> ReplayTask:
 
 
 def tiny_gemms() -> ReplayTask:
-    """``tiny`` with every GEMM an injection point (``TinyMLP/b:dot_general.grad_rhs``...)."""
+    """``tiny`` with every GEMM an injection point (``b:dot_general.grad_rhs``...)."""
     return ReplayTask(**{**_fields(tiny()), "gemm_sites": True})
 
 

@@ -102,12 +102,10 @@ def linen_case():
         return optax.apply_updates(params, updates), opt_state, loss
 
     args = (params, tx.init(params), tokens)
-    # nn.SelfAttention calls MultiHeadDotProductAttention.__call__: two scopes named attn.
-    attention = [n.name for n in list_sites(step, *args) if "block_0/attn" in n.name]
     sites = {
-        "mlp_forward": "TransformerLM/block_0/mlp/wi:dot_general",
-        "mlp_backward": "TransformerLM/block_1/mlp/wo:dot_general.grad_lhs",
-        "attention": next(n for n in attention if n.endswith(":dot_product_attention_weights")),
+        "mlp_forward": "block_0/mlp/wi:dot_general",
+        "mlp_backward": "block_1/mlp/wo:dot_general.grad_lhs",
+        "attention": "block_0/attn:scores",
     }
     return step, args, sites
 
@@ -165,13 +163,10 @@ def equinox_case():
         loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
         return eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, grads)), loss
 
-    names = [s.name for s in list_sites(step, model, tokens)]
-    mlp_in = [n for n in names if "EqxBlock.__call__" in n and n.endswith(":dot_general")]
-    attention = [n for n in names if "MultiheadAttention" in n and n.endswith("_1")]
     sites = {
-        "mlp_forward": mlp_in[0],
-        "mlp_backward": mlp_in[1] + ".grad_rhs",
-        "attention": attention[0],
+        "mlp_forward": "blocks[0].mlp_in:dot_general",
+        "mlp_backward": "blocks[1].mlp_in:dot_general.grad_rhs",
+        "attention": "blocks[0].attn:context",
     }
     return step, (model, tokens), sites
 
@@ -205,15 +200,10 @@ def reference_case(kind):
 
     stack = training.STACK_NAMES[kind]
     args = (params, tx.init(params), batch)
-    names = [s.name for s in list_sites(step, *args)]
-    mlp = [n for n in names if f"/{stack}/block_0/mlp" in n and ".grad" not in n]
-    attention = [
-        n for n in names if f"/{stack}/block_1/attn" in n and ":dot_product_attention" in n
-    ]
     sites = {
-        "mlp_forward": mlp[0],
-        "mlp_backward": mlp[-1] + ".grad_lhs",
-        "attention": attention[0],
+        "mlp_forward": f"{stack}/block_0/mlp/fc_in:dot_general",
+        "mlp_backward": f"{stack}/block_0/mlp/fc_out:dot_general.grad_lhs",
+        "attention": f"{stack}/block_1/attn:scores",
     }
     return step, args, sites
 

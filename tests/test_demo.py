@@ -37,8 +37,8 @@ def test_whole_step_demo_corrects_faults_outside_attention():
     assert not np.isfinite(losses["unprotected"][21:]).any()
     np.testing.assert_allclose(losses["protected"], losses["clean"], rtol=1e-5)
     assert result["counters"] == {
-        "GPT/decoder/block_0/attn:dot_product_attention_weights": [1, 1, 0, 0],
-        "GPT/decoder/block_0/mlp/fc_in:dot_general": [1, 1, 0, 0],
+        "decoder/block_0/attn:scores": [1, 1, 0, 0],
+        "decoder/block_0/mlp/fc_in:dot_general": [1, 1, 0, 0],
     }
 
 

@@ -23,14 +23,14 @@ TINY = GPTConfig(num_layers=1, d_model=32, num_heads=4, seq_len=16)
 # Plain SGD: parameters then differ as the gradients do (Adam's first step is about
 # lr * sign(g), which turns a rounding difference in a near-zero gradient into a full step).
 SGD = optax.sgd(0.1)
-BLOCK = "GPT/decoder/block_0"
+BLOCK = "decoder/block_0"
 # One GEMM site of each class, forward and backward.
 TARGETS = {
     "mlp forward": f"{BLOCK}/mlp/fc_in:dot_general",
     "mlp backward": f"{BLOCK}/mlp/fc_out:dot_general.grad_rhs",
     "projection backward": f"{BLOCK}/attn/query:dot_general.grad_lhs",
-    "attention forward": f"{BLOCK}/attn:dot_product_attention_weights",
-    "head backward": "GPT/embed.attend:attend.grad_lhs",
+    "attention forward": f"{BLOCK}/attn:scores",
+    "head backward": "embed:attend.grad_lhs",
 }
 
 
@@ -117,7 +117,7 @@ def test_coverage_errors_name_the_choices():
         TrainConfig(coverage="everything")
     with pytest.raises(ValueError, match="coverage must be one of"):
         CampaignConfig(coverage="mlp")
-    config = CampaignConfig(model=TINY, coverage="every_gemm", sites=("GPT/**/nowhere:*",))
+    config = CampaignConfig(model=TINY, coverage="every_gemm", sites=("decoder/**/nowhere:*",))
     with pytest.raises(ValueError, match=r"(?s)no site of the gpt model.*fc_in:dot_general"):
         config.site_list()
 

@@ -103,31 +103,47 @@ def is_output_site(name: str) -> bool:
 
 
 SITE_CLASSES = ("attention", "projection", "mlp", "head", "output", "other")
-_PROJECTIONS = ("query", "key", "value", "out", "qkv", "proj", "o_proj", "q_proj", "k_proj")
+# The attention projections' module names: Flax linen and NNX (query ... out), Gemma
+# (q_einsum, kv_einsum, attn_vec_einsum), Equinox (query_proj ... output_proj), Hugging Face.
+_PROJECTIONS = (
+    *("query", "key", "value", "out", "qkv", "proj", "o_proj", "q_proj", "k_proj", "v_proj"),
+    *("q_einsum", "kv_einsum", "qkv_einsum", "attn_vec_einsum"),
+    *("query_proj", "key_proj", "value_proj", "output_proj"),
+)
+_HEADS = ("head", "lm_head", "logit", "unembed")  # logit: logits, logitdense (Flax lm1b)
+# An embedding's method that reads it as the output head (linen's Embed.attend, Gemma's decode).
+_HEAD_METHODS = ("attend", "decode")
+# Separators of a module path's components: linen/NNX ``a/b/0``, Equinox ``a.b[0]``.
+_COMPONENTS = re.compile(r"[/.\[\]']+")
 
 
 def site_class(name: str) -> str:
     """What part of a transformer a site is in, from its name.
 
     ``output`` (a module output), ``attention`` (the score and context GEMMs and the softmax:
-    ``attn:scores``, ``attn:dot_product_attention_weights``), ``projection`` (the query, key,
-    value and output projections of an attention layer), ``mlp`` (under a module named
-    ``mlp``), ``head`` (the output head or the embedding used as one: ``embed.attend``,
-    ``head``, ``lm_head``, ``logits``), else ``other``. Backward sites share their forward
-    site's class.
+    ``attn:scores``, ``attn:context``), ``projection`` (the query, key, value and output
+    projections of an attention layer: ``attn/query``, ``attn/q_einsum``,
+    ``attn.query_proj``), ``mlp`` (under a module named ``mlp...``), ``head`` (the output head
+    or the embedding read as one: ``embed:attend``, ``embedder:decode``, ``head``,
+    ``lm_head``, ``logits``), else ``other``. Module names match in any case (Flax's
+    ``MlpBlock_0``), and paths may be written ``a/b/0`` (linen, NNX) or ``a.b[0]`` (Equinox).
+    Backward sites share their forward site's class.
 
     Example:
-      >>> site_class("GPT/decoder/block_0/attn/query:dot_general.grad_rhs")
+      >>> site_class("decoder/block_0/attn/query:dot_general.grad_rhs")
       'projection'
+      >>> site_class("layers[0].attn:scores")
+      'attention'
     """
     if is_output_site(name):
         return "output"
     path, site = split_site(name)
     site = site.split(".grad_")[0]
-    parts = path.split("/")
-    if any(p.startswith(("embed.attend", "head", "lm_head", "logits")) for p in parts):
+    # Flax names unnamed modules by class: MlpBlock_0, MultiHeadDotProductAttention_0.
+    parts = [p.lower() for p in _COMPONENTS.split(path) if p]
+    if site in _HEAD_METHODS or any(p in _HEAD_METHODS or p.startswith(_HEADS) for p in parts):
         return "head"
-    if any(p == "mlp" or p.startswith("mlp") for p in parts):
+    if any(p.startswith("mlp") for p in parts):
         return "mlp"
     if any("attn" in p or "attention" in p for p in parts):
         last = parts[-1]

@@ -2,6 +2,7 @@
 
 from sdcguard.models.data import VOCAB_SIZE, ByteBatches, corpus_bytes
 from sdcguard.models.encoder import Encoder, mask_tokens, mlm_loss
+from sdcguard.models.gemma import Gemma, GemmaConfig
 from sdcguard.models.gpt import GPT, GPTConfig, init_params, lm_loss
 
 __all__ = [
@@ -10,6 +11,8 @@ __all__ = [
     "ByteBatches",
     "Encoder",
     "GPTConfig",
+    "Gemma",
+    "GemmaConfig",
     "corpus_bytes",
     "init_params",
     "lm_loss",
