@@ -111,7 +111,8 @@ def main() -> int:
             str(v["control_flow"]),
             f"{v['compile_s']:.1f} s ({v['compile_ratio']:.2f})",
             f"{v['hlo_lines']} ({v['hlo_lines'] / base['hlo_lines']:.2f})",
-            f"{v['bytes_accessed'] / 1e6:.0f} MB ({v['bytes_accessed'] / base['bytes_accessed']:.2f})",
+            f"{v['bytes_accessed'] / 1e6:.0f} MB "
+            f"({v['bytes_accessed'] / base['bytes_accessed']:.2f})",
         )
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -125,7 +125,7 @@ WHOLE_STEP_VARIANTS = {
         include=tuple(f"*attn/{p}:*" for p in ("query", "key", "value", "out")), correct=False
     ),
     "class: MLP": ABFTConfig(include=("*mlp/*",), correct=False),
-    "class: head": ABFTConfig(include=("*head*", "*embed.attend*"), correct=False),
+    "class: head": ABFTConfig(include=("*head*", "*embed:attend*"), correct=False),
 }
 
 

@@ -43,13 +43,13 @@ def default_faults(num_layers: int) -> list[Fault]:
 def default_gemm_faults(num_layers: int) -> list[Fault]:
     """Seven faults in GEMMs of every class (attention, projections, MLP, head; forward and
     backward), for whole-step protection (``coverage="every_gemm"``)."""
-    first, last = "GPT/decoder/block_0", f"GPT/decoder/block_{num_layers - 1}"
+    first, last = "decoder/block_0", f"decoder/block_{num_layers - 1}"
     return [
-        Fault(site=f"{first}/attn:dot_product_attention_weights", kind="inf", index=1234, step=20),
+        Fault(site=f"{first}/attn:scores", kind="inf", index=1234, step=20),
         Fault(site=f"{last}/mlp/fc_in:dot_general", kind="nan", index=77, step=50),
         Fault(site=f"{first}/attn/query:dot_general", kind="near_inf", index=4321, step=80),
         Fault(site=f"{last}/mlp/fc_out:dot_general.grad_rhs", kind="bitflip", bit=30, step=110),
-        Fault(site="GPT/embed.attend:attend.grad_lhs", kind="nan", index=500, step=140),
+        Fault(site="embed:attend.grad_lhs", kind="nan", index=500, step=140),
         Fault(site=f"{last}/attn/value:dot_general.grad_rhs", kind="-inf", index=33, step=170),
         Fault(site=f"{first}/mlp/fc_in:dot_general.grad_lhs", kind="nan", index=2024, step=200),
     ]

@@ -87,7 +87,7 @@ class TrainConfig:
         protected drop-ins by :func:`sdcguard.protection.linen.protect` (sites
         ``decoder/block_0/attn:scores``...). ``every_gemm``: every floating-point GEMM of
         the loss and its gradients, forward and backward, by :func:`sdcguard.checked` on the
-        plain model (sites ``GPT/decoder/block_0/mlp/fc_in:dot_general``... as
+        plain model (sites ``decoder/block_0/mlp/fc_in:dot_general``... as
         :func:`sdcguard.list_sites` names them; ``abft.include``/``exclude`` select them).
       output_sites: module-output sites (``decoder/block_0/mlp:output`` ...) where the fault
         plan can inject (see :func:`sdcguard.fault_model.inject.module_outputs`); others compile to

@@ -118,7 +118,7 @@ def register(subparsers) -> None:
         help="site names or patterns ('*' within one path component, '**' across, as for "
         "every --sites of sdcguard): GEMM sites of the coverage (fwd and bwd, e.g. "
         "'decoder/block_0/attn:scores.grad_lhs', or with --coverage every_gemm "
-        "'GPT/**/mlp/*'), and module outputs (forward, e.g. "
+        "'decoder/**/mlp/*'), and module outputs (forward, e.g. "
         "'decoder/block_*/mlp:output'); default: every GEMM site of the coverage. Parameter sites "
         "('...:kernel.grad') are injected by sdcguard compare/record only",
     )
@@ -167,8 +167,8 @@ def register(subparsers) -> None:
         "--dtype",
         type=_dtype,
         default=d.dtype,
-        help="computation dtype: fp32, bf16 or fp16 (float32, bfloat16, float16 also accepted; default "
-        "%(default)s)",
+        help="computation dtype: fp32, bf16 or fp16 (float32, bfloat16, float16 also accepted; "
+        "default %(default)s)",
     )
     p.add_argument(
         "--protection",

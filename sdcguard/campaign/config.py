@@ -64,7 +64,7 @@ class CampaignConfig:
       coverage: what ABFT checks and where faults are injected. ``attention``: the protected
         attention layers (sites ``decoder/block_0/attn:scores``...). ``every_gemm``: every
         floating-point GEMM of the step, forward and backward, under :func:`sdcguard.checked`
-        (sites ``GPT/decoder/block_0/mlp/fc_in:dot_general.grad_rhs``...: attention,
+        (sites ``decoder/block_0/mlp/fc_in:dot_general.grad_rhs``...: attention,
         projections, MLP and the output head).
       sites: site names or patterns (:func:`site_pattern`) to inject into: GEMM sites of the
         coverage (forward and backward, ``decoder/block_0/attn:scores.grad_lhs``) and module

@@ -13,21 +13,24 @@ and ``pmap`` the program is already per device; under ``jit`` with ``NamedShardi
 explicit axes) each checked GEMM is partitioned by :mod:`sdcguard.protection.sharding`, and the
 counters, one row per device, are summed in one all-reduce at the end of the step.
 
-Each GEMM is a *site*, named by where it is in the model: the module path that Flax and
-``jax.named_scope`` leave in the program (``Model/decoder/block_0/mlp/Dense_0:dot_general``), or,
-for code without scopes, the Python call path (``loss/Block.__call__/MLP.__call__/...``); the
-two gradient GEMMs of a forward GEMM carry its name with ``.grad_lhs`` / ``.grad_rhs``.
-:func:`list_sites` lists them; ``ABFTConfig(include=..., exclude=...)`` selects them by glob.
+Each GEMM is a *site*, named by where it is in the user's model (:mod:`sdcguard.protection.naming`):
+the module that owns the parameter it reads (``decoder/block_0/mlp/Dense_0:dot_general`` in linen,
+``layers/0/attn/q_einsum:dot_general`` in NNX, ``layers[0].mlp.layers[1]:dot_general`` in
+Equinox), the attention module for a GEMM of two activations (``layers/0/attn:scores``,
+``:context``), else the ``jax.named_scope`` or Python call path; the two gradient GEMMs of a
+forward GEMM carry its name with ``.grad_lhs`` / ``.grad_rhs``. :func:`list_sites` lists them,
+checked or not, and why; ``ABFTConfig(include=..., exclude=...)`` selects them by glob. The GEMM,
+its injection point and its check are :func:`sdcguard.protection.gemm.checked_gemm`.
 
 Why one module: the transform is one interpreter over a jaxpr, one rule per primitive that can hold
 a GEMM (``pjit``, ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp``,
-``shard_map``); the rules call each other recursively and share the naming of sites, so split they
+``shard_map``, ``custom_linear_solve``); the rules call each other recursively, so split they
 would still be read as one.
 
 Example:
   >>> step = sdcguard.checked(train_step)               # same arguments as train_step
   >>> (state, metrics), report = jax.jit(step)(state, batch)
-  >>> report["Model/decoder/block_0/mlp/Dense_0:dot_general.grad_rhs"]   # int32 [4]
+  >>> report["decoder/block_0/mlp/Dense_0:dot_general.grad_rhs"]   # int32 [4]
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class ReplayTask:
         (no checks) so attention-internal sites (``...attn:scores`` etc.) can be injected.
       gemm_sites: make every floating-point GEMM of the loss and its gradients an injection
         point (no checks), named as :func:`sdcguard.checked` names it
-        (``GPT/decoder/block_0/mlp/fc_in:dot_general.grad_rhs``): faults at MLP, projection
+        (``decoder/block_0/mlp/fc_in:dot_general.grad_rhs``): faults at MLP, projection
         and head GEMMs, forward and backward, for any model.
       name: shown in reports.
     """
