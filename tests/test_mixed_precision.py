@@ -5,6 +5,8 @@ or more is checked there, a fault at an MLP forward, an MLP backward and an atte
 corrected, and every setting that would select nothing, or be ignored, is an error that says so.
 """
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -306,3 +308,105 @@ def test_implementation_applies_under_checked():
         np.testing.assert_allclose(
             np.asarray(out, np.float32), np.asarray(fn(x, w), np.float32), rtol=2**-9, atol=2**-9
         )
+
+
+# --- Models written as users write them: NNX Gemma, Equinox, Flax's example LM, in bf16 -------
+
+
+def gemma_case():
+    from flax import nnx
+
+    from sdcguard.models import gemma
+
+    config = gemma.GemmaConfig(num_layers=2, dtype="bfloat16")
+    model = gemma.Gemma(config, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, config.vocab_size)
+    return gemma.train_step, (model, optimizer, tokens)
+
+
+def equinox_case():
+    import equinox as eqx
+    import equinox_model
+
+    step, (model, _, tokens) = equinox_model.adam_case(num_layers=2)
+    # bf16 parameters: equinox.nn computes in its parameters' dtype.
+    model = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, model)
+    return step, (model, optax.adam(1e-3).init(eqx.filter(model, eqx.is_array)), tokens)
+
+
+def flax_example_case():
+    import flax_example_lm
+
+    step, args, _ = flax_example_lm.adam_case(num_layers=2, dtype=jnp.bfloat16)
+    return step, args
+
+
+MODELS = {"gemma-nnx": gemma_case, "equinox": equinox_case, "flax-example": flax_example_case}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model_step(request):
+    import equinox as eqx
+
+    step, args = MODELS[request.param]()
+    sites = list_sites(step, *args)
+
+    @eqx.filter_jit
+    def faulty(plan, *args):
+        with sdcguard.faults(plan):
+            return sdcguard.checked(step)(*args)
+
+    # The plain step's outputs: a copy of the arguments first, for NNX updates them in place.
+    plain = eqx.filter_jit(step)(*jax.tree.map(lambda x: x, args))
+    return step, args, sites, faulty, plain
+
+
+def _arrays(tree):
+    import equinox as eqx
+    from flax import nnx
+
+    tree = jax.tree.map(lambda x: x, tree)
+    leaves = []
+    for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
+        leaves.append(x.value if isinstance(x, nnx.Variable) else x)
+    return leaves
+
+
+def test_a_users_bf16_model_is_checked_everywhere_and_corrected(model_step):
+    """Every GEMM of the whole Adam step checked; names that tell layers and projections apart;
+    a clean step equal to the plain one; an INF at an MLP forward GEMM, an MLP backward GEMM and
+    an attention GEMM corrected to the clean step."""
+    from sdcguard.fault_model.sites import site_class
+
+    _step, args, sites, faulty, plain = model_step
+    assert all(s.checked for s in sites), [
+        (s.name, s.why_unchecked) for s in sites if not s.checked
+    ]
+    assert any("bfloat16" in s.dtype for s in sites)
+    names = [s.name for s in sites]
+    assert len(set(names)) == len(names)
+    assert not any(re.search(r"_\d+$", n.split(":")[-1].split(".")[0]) for n in names), names
+    layer_0 = {n.replace("0", "#", 1) for n in names if "0" in n}
+    assert layer_0 & {n.replace("1", "#", 1) for n in names if "1" in n}  # layers differ by index
+    out, report = faulty(FaultPlan.from_faults([], capacity=1), *args)
+    np.testing.assert_array_equal(total(report), [0, 0, 0, 0])
+    for x, y in zip(_arrays(out), _arrays(plain), strict=True):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), **TOL)
+    forward = [s for s in sites if s.direction == "forward"]
+    targets = [
+        next(s.name for s in forward if site_class(s.name) == "mlp"),
+        next(s.name for s in sites if site_class(s.name) == "mlp" and s.direction == "grad_lhs"),
+        next(s.name for s in forward if s.name.endswith(":scores")),
+    ]
+    for site in targets:
+        plan = FaultPlan.from_faults([Fault(site=site, kind="inf", index=3)], capacity=1)
+        out, report = faulty(plan, *args)
+        np.testing.assert_array_equal(report[site], [1, 1, 0, 0], err_msg=site)
+        np.testing.assert_array_equal(total(report), [1, 1, 0, 0], err_msg=site)
+        for x, y in zip(_arrays(out), _arrays(plain), strict=True):
+            np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), **TOL)
+
+
+# A bf16 step's outputs against the plain step's: one bf16 ulp (see PARITY).
+TOL = dict(zip(("rtol", "atol"), PARITY[jnp.dtype(jnp.bfloat16)], strict=True))
