@@ -231,11 +231,11 @@ def refuse_corrupted(
     def update_fn(updates, state: GuardState, params=None, **extra):
         grads = updates
         loss, abft_uncorrectable = _extra_scalars(extra)
-        if state.counters.ndim != 1:
+        if jnp.ndim(state.reason) != 0:
             raise ValueError(
-                f"refuse_corrupted: the guard state has counters of shape "
-                f"{tuple(state.counters.shape)}; a state with a leading replica axis is updated "
-                "inside pmap/shard_map, one replica at a time"
+                f"refuse_corrupted: the guard state's reason has shape "
+                f"{tuple(jnp.shape(state.reason))}; a state with a leading replica axis is "
+                "updated inside pmap/shard_map, one replica at a time"
             )
         proposed, new_inner_state = inner.update(grads, state.inner_state, params, **extra)
         # The one boundary where the packed state is read (and, below, written).
