@@ -73,12 +73,12 @@ from timing import interleaved, overheads, per_call  # noqa: E402
 from sdcguard.guard.degraded import (  # noqa: E402
     DegradedConfig,
     DegradedTrainer,
-    MeCeFO,
     ReplicaFault,
     make_degraded_step,
     replica_work,
 )
 from sdcguard.models import GPT, ByteBatches, GPTConfig, init_params, lm_loss  # noqa: E402
+from sdcguard.models.gpt_degraded import GPTWorkload, MeCeFO  # noqa: E402
 
 SIZES = {
     "tiny (d 64, seq 64)": GPTConfig(),
@@ -91,16 +91,16 @@ SCOPES = {
 }
 
 
-def role_inputs(config: DegradedConfig):
-    params = init_params(GPT(config.model), config.seed)
-    data = ByteBatches(batch_size=config.micro_batch, seq_len=config.model.seq_len)
+def role_inputs(config: DegradedConfig, workload: GPTWorkload):
+    params = init_params(GPT(workload.model), config.seed)
+    data = ByteBatches(batch_size=config.micro_batch, seq_len=workload.model.seq_len)
     own, taken = jnp.asarray(data.batch(0)), jnp.asarray(data.batch(1))
     return params, own, taken, jax.random.key(0)
 
 
-def compiled_role(config: DegradedConfig, role: str):
-    inputs = role_inputs(config)
-    compiled = jax.jit(replica_work(config)[role]).lower(*inputs).compile()
+def compiled_role(config: DegradedConfig, workload: GPTWorkload, role: str):
+    inputs = role_inputs(config, workload)
+    compiled = jax.jit(replica_work(workload)[role]).lower(*inputs).compile()
     return compiled, inputs
 
 
@@ -108,16 +108,13 @@ def costs(args) -> dict:
     """Per model size and scope: neighbour ÷ normal in flops and bytes accessed."""
     out = {}
     for size, model in SIZES.items():
-        normal, _ = compiled_role(
-            DegradedConfig(model=model, micro_batch=args.micro_batch), "normal"
-        )
+        config = DegradedConfig(micro_batch=args.micro_batch)
+        normal, _ = compiled_role(config, GPTWorkload(model=model), "normal")
         base = normal.cost_analysis()
         out[size] = {"normal": {"flops": base["flops"], "bytes": base["bytes accessed"]}}
         for name, approx in SCOPES.items():
-            config = DegradedConfig(
-                model=model, micro_batch=args.micro_batch, approximations=approx
-            )
-            analysis = compiled_role(config, "neighbour")[0].cost_analysis()
+            workload = GPTWorkload(model=model, approximations=approx)
+            analysis = compiled_role(config, workload, "neighbour")[0].cost_analysis()
             out[size][name] = {
                 "flops": analysis["flops"],
                 "bytes": analysis["bytes accessed"],
@@ -131,10 +128,10 @@ def role_times(args) -> dict:
     """Normal vs neighbour on one device, interleaved: per size, the per-round ratio."""
     out = {}
     for size, model in SIZES.items():
-        config = DegradedConfig(model=model, micro_batch=args.micro_batch)
+        config = DegradedConfig(micro_batch=args.micro_batch)
         timers = {}
         for role in ("normal", "neighbour"):
-            compiled, inputs = compiled_role(config, role)
+            compiled, inputs = compiled_role(config, GPTWorkload(model=model), role)
             jax.block_until_ready(compiled(*inputs))
             timers[role] = per_call(lambda c=compiled, i=inputs: c(*i), args.calls)
         summary = overheads(interleaved(timers, args.rounds), base="normal")
@@ -145,8 +142,8 @@ def role_times(args) -> dict:
 def whole_step_times(args) -> dict:
     """The 8-replica step, all in vs replica 3 out, interleaved (shared cores: total work)."""
     config = DegradedConfig(micro_batch=args.micro_batch)
-    state, step = make_degraded_step(config)
-    data = ByteBatches(batch_size=config.global_batch, seq_len=config.model.seq_len)
+    state, step = make_degraded_step(config, GPTWorkload())
+    data = ByteBatches(batch_size=config.global_batch, seq_len=GPTConfig().seq_len)
     batch = jnp.asarray(data.batch(0)).reshape(config.replicas, config.micro_batch, -1)
     fault = ReplicaFault.none()
     masks = {"all in": np.zeros(8, bool), "replica 3 out": np.eye(8, dtype=bool)[3]}
@@ -168,11 +165,11 @@ def training(args) -> dict:
     compiled = {}
     out = {}
     for name, (kind, approx) in runs.items():
-        config = DegradedConfig(micro_batch=args.micro_batch, approximations=approx)
+        config = DegradedConfig(micro_batch=args.micro_batch)
         if approx not in compiled:
-            compiled[approx] = make_degraded_step(config)
+            compiled[approx] = make_degraded_step(config, GPTWorkload(approximations=approx))
         trainer = DegradedTrainer(config, compiled=compiled[approx])
-        data = ByteBatches(batch_size=config.global_batch, seq_len=config.model.seq_len)
+        data = ByteBatches(batch_size=config.global_batch, seq_len=GPTConfig().seq_len)
         start = time.perf_counter()
         for i in range(args.steps):
             if kind == "out" and i == args.out_from:

@@ -35,10 +35,19 @@ DEPRECATED = {
     "sdcguard.pallas": ("sdcguard.protection.pallas",),
     "sdcguard.sites": ("sdcguard.fault_model.sites",),
     "sdcguard.inject": ("sdcguard.fault_model.inject",),
-    "sdcguard.optim": ("sdcguard.guard.update_guard",),
-    "sdcguard.recovery": ("sdcguard.guard.recovery",),
+    "sdcguard.optim": ("sdcguard.guard.update_guard", "sdcguard.guard.state"),
+    "sdcguard.recovery": (
+        "sdcguard.guard.recovery",
+        "sdcguard.guard.snapshots",
+        "sdcguard.guard.checkpoints",
+        "sdcguard.guard.integrity",
+    ),
     "sdcguard.triage": ("sdcguard.guard.triage",),
-    "sdcguard.degraded": ("sdcguard.guard.degraded",),
+    "sdcguard.degraded": (
+        "sdcguard.guard.degraded",
+        "sdcguard.guard.degraded_step",
+        "sdcguard.models.gpt_degraded",
+    ),
     "sdcguard.erasure": ("sdcguard.guard.erasure",),
 }
 # Stable public names that are not where the code lives.

@@ -19,20 +19,25 @@ from tolerances import TOLERANCES, assert_close
 from sdcguard.guard.degraded import (
     DegradedConfig,
     DegradedTrainer,
-    MeCeFO,
     ReplicaFault,
-    _omega,
-    approximately,
-    low_rank_basis,
-    low_rank_product,
+    Workload,
     make_degraded_step,
-    mlp_forward,
     replica_row,
     replica_work,
     takeover_assignment,
 )
+from sdcguard.guard.update_guard import refuse_corrupted
 from sdcguard.models import GPT, ByteBatches, GPTConfig, init_params, lm_loss
 from sdcguard.models.gpt import MLP
+from sdcguard.models.gpt_degraded import (
+    GPTWorkload,
+    MeCeFO,
+    approximately,
+    low_rank_basis,
+    low_rank_product,
+    mlp_forward,
+)
+from sdcguard.models.gpt_degraded import range_finder_matrix as _omega
 
 CONFIG = GPTConfig()  # the reference GPT at its default (tiny) size
 # XLA:CPU folds jax.checkpoint's optimization barrier away (pass cse_barrier_expander) and CSE
@@ -311,11 +316,18 @@ def test_approximations_refuse_what_they_cannot_do():
         DegradedConfig(replicas=1)
 
 
+def test_degraded_mode_asks_for_a_model_it_can_train():
+    with pytest.raises(ValueError, match=r"needs the model to train: workload=Workload"):
+        DegradedTrainer(DegradedConfig())
+    with pytest.raises(TypeError, match="has no callable loss"):
+        replica_work(Workload(init=lambda key: {}, loss=None))
+
+
 def test_the_step_asks_for_the_devices_it_needs():
     if jax.device_count() >= 8:
         pytest.skip("this process has 8 devices")
     with pytest.raises(ValueError, match="xla_force_host_platform_device_count=8"):
-        make_degraded_step(DegradedConfig())
+        make_degraded_step(DegradedConfig(), GPTWorkload())
 
 
 # --- On 8 CPU devices -------------------------------------------------------------------------
@@ -331,11 +343,11 @@ def test_degraded_training_in_a_subprocess_with_8_cpu_devices(monkeypatch):
 @pytest.fixture(scope="module")
 def default_step():
     """One compilation of the default degraded step, shared by the tests that use it."""
-    return make_degraded_step(DegradedConfig())
+    return make_degraded_step(DegradedConfig(), GPTWorkload())
 
 
-def global_batches(config: DegradedConfig):
-    return ByteBatches(batch_size=config.global_batch, seq_len=config.model.seq_len)
+def global_batches(config: DegradedConfig, model: GPTConfig = CONFIG):
+    return ByteBatches(batch_size=config.global_batch, seq_len=model.seq_len)
 
 
 @needs_8
@@ -391,9 +403,10 @@ def test_the_update_is_the_full_batch_average_on_8_devices():
     independently."""
     approximations = MeCeFO(recompute_ffn=False, low_rank=None)
     small = GPTConfig(num_layers=1, d_model=32, num_heads=2, seq_len=16)
-    config = DegradedConfig(model=small, approximations=approximations)
-    state, step = make_degraded_step(config, optax.sgd(1.0))
-    batch = jnp.asarray(global_batches(config).batch(0)).reshape(8, config.micro_batch, -1)
+    config = DegradedConfig()
+    workload = GPTWorkload(model=small, approximations=approximations)
+    state, step = make_degraded_step(config, workload, optax.sgd(1.0))
+    batch = jnp.asarray(global_batches(config, small).batch(0)).reshape(8, config.micro_batch, -1)
     params = replica_row(state.params, 0)
     loss = gpt_loss(GPT(small))
 
@@ -432,8 +445,8 @@ def test_the_update_is_the_full_batch_average_on_8_devices():
 def test_one_replica_out_for_a_stretch_ends_within_2_percent_on_8_devices(default_step):
     config = DegradedConfig()
     data = global_batches(config)
-    held_out = ByteBatches(batch_size=64, seq_len=config.model.seq_len, seed=99)
-    model = GPT(config.model)
+    held_out = ByteBatches(batch_size=64, seq_len=CONFIG.seq_len, seed=99)
+    model = GPT(CONFIG)
     evaluate = jax.jit(gpt_loss(model))
 
     def run(out_from, out_until):
@@ -512,12 +525,11 @@ def test_a_mismatch_that_does_not_come_back_quarantines_nobody_on_8_devices(defa
 @needs_8
 def test_the_neighbour_does_at_most_1_5x_a_normal_replicas_work_on_8_devices():
     """XLA's cost analysis of each role's compiled work (the branches of the step)."""
-    config = DegradedConfig()
-    params = init_params(GPT(config.model), 0)
-    micro = jnp.asarray(ByteBatches(batch_size=2, seq_len=config.model.seq_len).batch(0))
+    params = init_params(GPT(CONFIG), 0)
+    micro = jnp.asarray(ByteBatches(batch_size=2, seq_len=CONFIG.seq_len).batch(0))
 
     def cost(role):
-        work = replica_work(config)[role]
+        work = replica_work(GPTWorkload())[role]
         analysis = jax.jit(work).lower(params, micro, micro, jax.random.key(0)).compile()
         analysis = analysis.cost_analysis()
         return np.array([analysis["flops"], analysis["bytes accessed"]])
@@ -540,3 +552,30 @@ def test_the_compiled_ffn_recomputes_its_activations_on_8_devices(recompute, dot
 
     hlo = jax.jit(jax.value_and_grad(loss)).lower(mlp_params, x).compile().as_text()
     assert hlo.count(" dot(") == dots
+
+
+@needs_8
+def test_a_users_own_model_trains_in_degraded_mode_on_8_devices():
+    """No GPT: a linear regression handed in as functions (exact takeover). With replica 2 out,
+    replica 3 computes micro-batch 2 as well, and the update is the full batch's gradient."""
+
+    def init(key):
+        return {"w": jax.random.normal(key, (4,)), "b": jnp.zeros(())}
+
+    def loss(params, micro):  # micro [m, 5]: four features, then the target
+        return jnp.mean((micro[:, :4] @ params["w"] + params["b"] - micro[:, 4]) ** 2)
+
+    config = DegradedConfig(micro_batch=3, seed=7)
+    tx = refuse_corrupted(optax.sgd(0.1), axis_name=config.axis_name)
+    trainer = DegradedTrainer(config, Workload(init=init, loss=loss), tx)
+    batch = jax.random.normal(jax.random.key(1), (config.global_batch, 5))
+    before = trainer.params()
+    assert trees_bits_equal(before, init(jax.random.key(7)))
+    trainer.lose(2)
+    trainer.step(batch)
+    full_loss, full_grad = jax.value_and_grad(loss)(before, batch)
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, before, full_grad)
+    for got, expected in zip(jax.tree.leaves(trainer.params()), jax.tree.leaves(want), strict=True):
+        assert_close(got, expected, jnp.float32)
+    assert_close(trainer.report.losses[-1], full_loss, jnp.float32)
+    assert trainer.report.refused == [] and trainer.report.out_replicas == [1]

@@ -30,7 +30,10 @@ OLD_NAMES = {
     "sdcguard.optim": [("refuse_corrupted", "sdcguard.guard.update_guard")],
     "sdcguard.recovery": [("CheckpointTier", "sdcguard.guard.recovery")],
     "sdcguard.triage": [("with_triage", "sdcguard.guard.triage")],
-    "sdcguard.degraded": [("MeCeFO", "sdcguard.guard.degraded")],
+    "sdcguard.degraded": [
+        ("DegradedTrainer", "sdcguard.guard.degraded"),
+        ("MeCeFO", "sdcguard.models.gpt_degraded"),
+    ],
     "sdcguard.erasure": [("ErasureCode", "sdcguard.guard.erasure")],
 }
 

@@ -17,7 +17,7 @@ import optax
 import pytest
 from multidevice import needs_8, run_on_8_devices
 
-from sdcguard.guard import recovery
+from sdcguard.guard import snapshots
 from sdcguard.guard.recovery import (
     CheckpointCorrupted,
     CheckpointTier,
@@ -96,7 +96,7 @@ def in_snapshot_worker() -> bool:
 
 def test_a_snapshot_still_copying_is_never_restored(monkeypatch):
     release = threading.Event()
-    fingerprint = recovery.host_fingerprint
+    fingerprint = snapshots.host_fingerprint
 
     def slow_fingerprint(x):
         if in_snapshot_worker():
@@ -107,7 +107,7 @@ def test_a_snapshot_still_copying_is_never_restored(monkeypatch):
     first, second = initial_state(1), initial_state(2)
     ring.take(first, step=1)
     ring.wait()
-    monkeypatch.setattr(recovery, "host_fingerprint", slow_fingerprint)
+    monkeypatch.setattr(snapshots, "host_fingerprint", slow_fingerprint)
     ring.take(second, step=2)  # returns while its copy is blocked half-way
 
     restored, snap = ring.restore()
@@ -119,7 +119,7 @@ def test_a_snapshot_still_copying_is_never_restored(monkeypatch):
 
 
 def test_a_failed_snapshot_is_dropped_and_the_previous_one_stays(monkeypatch):
-    fingerprint = recovery.host_fingerprint
+    fingerprint = snapshots.host_fingerprint
 
     def failing(x):
         if in_snapshot_worker():
@@ -129,7 +129,7 @@ def test_a_failed_snapshot_is_dropped_and_the_previous_one_stays(monkeypatch):
     ring = SnapshotRing(keep=3)
     ring.take(initial_state(1), step=1)
     ring.wait()
-    monkeypatch.setattr(recovery, "host_fingerprint", failing)
+    monkeypatch.setattr(snapshots, "host_fingerprint", failing)
     ring.take(initial_state(2), step=2)
     ring.wait()
     assert [s.step for s in ring.snapshots()] == [1]

@@ -18,7 +18,7 @@ from sdcguard.guard.update_guard import (
     find_guard_state,
     reason_names,
     refuse_corrupted,
-    triage_records,
+    triage_events,
 )
 
 
@@ -129,7 +129,7 @@ def test_lr_warmup_growth_with_bursts_is_accepted_and_a_100x_fault_is_corrected(
 
     state = run(triaged, state, 240, scale=scale, fault=lambda i: 100.0 if i in faults else 1.0)
     guard = find_guard_state(state[1])
-    records = triage_records(guard)
+    records = triage_events(guard)
     assert int(guard.refused) == 0, describe(guard)
     sdc = {r.update for r in records if r.outcome == "sdc_corrected"}
     assert sdc == faults

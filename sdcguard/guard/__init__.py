@@ -2,10 +2,14 @@
 
 - :mod:`~sdcguard.guard.update_guard`: :func:`refuse_corrupted`, an Optax wrapper that refuses
   an update with non-finite values, unsafe ABFT counts, spikes or replicas that disagree,
-  leaving parameters and optimizer state bit-identical.
+  leaving parameters and optimizer state bit-identical. Its parts: the checks
+  (:mod:`~sdcguard.guard.checks`), the spike statistics (:mod:`~sdcguard.guard.statistics`), the
+  state and its readers (:mod:`~sdcguard.guard.state`), the reasons
+  (:mod:`~sdcguard.guard.reasons`), the configuration (:mod:`~sdcguard.guard.config`).
 - :mod:`~sdcguard.guard.triage`: a spike decided by recomputing the step (:func:`with_triage`).
-- :mod:`~sdcguard.guard.recovery`: snapshots, Orbax checkpoints and
-  :func:`train_with_recovery`.
+- :mod:`~sdcguard.guard.recovery`: :func:`train_with_recovery`, over in-memory snapshots
+  (:mod:`~sdcguard.guard.snapshots`) and Orbax checkpoints (:mod:`~sdcguard.guard.checkpoints`),
+  both verified by bit fingerprints (:mod:`~sdcguard.guard.integrity`).
 - :mod:`~sdcguard.guard.degraded` and :mod:`~sdcguard.guard.erasure` (imported on use):
   training on with a quarantined replica, and erasure-coded snapshots.
 """

@@ -42,7 +42,13 @@ import jax
 import numpy as np
 import zfec
 
-from sdcguard.guard.recovery import SnapshotCorrupted, _Leaf, _paths, _rebuild, host_fingerprint
+from sdcguard.guard.integrity import (
+    LeafRecipe,
+    SnapshotCorrupted,
+    host_fingerprint,
+    leaf_paths,
+    rebuild_leaf,
+)
 
 __all__ = ["CodedSnapshot", "ErasureCode", "HostMemory", "SnapshotLost"]
 
@@ -50,7 +56,7 @@ __all__ = ["CodedSnapshot", "ErasureCode", "HostMemory", "SnapshotLost"]
 class SnapshotLost(SnapshotCorrupted):
     """More hosts lost their snapshot memory than the code can rebuild.
 
-    A :class:`~sdcguard.guard.recovery.SnapshotCorrupted`, so a rollback falls back past it to an
+    A :class:`~sdcguard.guard.integrity.SnapshotCorrupted`, so a rollback falls back past it to an
     older snapshot or a checkpoint, as it does past a corrupt one.
     """
 
@@ -103,7 +109,7 @@ class ErasureCode:
     def snapshot(self, step: int, meta: dict, leaves, recipes, treedef) -> CodedSnapshot:
         """Copies each host's shards to host memory and adds the parity (blocking).
 
-        Called by :class:`sdcguard.guard.recovery.SnapshotRing` in its background thread with the
+        Called by :class:`sdcguard.guard.snapshots.SnapshotRing` in its background thread with the
         storable leaves of a state (``jax.Array`` or numpy) and how to rebuild them.
 
         Raises:
@@ -160,7 +166,7 @@ class ErasureCode:
 
 
 def _bytes_fingerprint(data: np.ndarray) -> np.ndarray:
-    """uint32 ``[4]``: :func:`~sdcguard.guard.recovery.host_fingerprint` of a host's bytes, read as
+    """uint32 ``[4]``: :func:`~sdcguard.guard.integrity.host_fingerprint` of a host's bytes, read as
     32-bit words, and of the last ``len % 4`` bytes. One pass over a host's memory."""
     words = data.size // 4 * 4
     return np.concatenate(
@@ -205,8 +211,8 @@ def _owned_pieces(x, position: dict[int, int], sizes: list[int]):
 class CodedSnapshot:
     """An erasure-coded snapshot: each host's shards and parity, in that host's memory.
 
-    Duck-types :class:`sdcguard.guard.recovery.Snapshot` (``step``, ``meta``, ``paths``,
-    :meth:`verify`, :meth:`restore`), so :class:`~sdcguard.guard.recovery.SnapshotRing` and
+    Duck-types :class:`sdcguard.guard.snapshots.Snapshot` (``step``, ``meta``, ``paths``,
+    :meth:`verify`, :meth:`restore`), so :class:`~sdcguard.guard.snapshots.SnapshotRing` and
     :func:`~sdcguard.guard.recovery.train_with_recovery` use it unchanged.
 
     Attributes:
@@ -222,7 +228,7 @@ class CodedSnapshot:
     tolerate: int
     chunk: int
     _layouts: tuple[_LeafLayout, ...]
-    _recipes: tuple[_Leaf, ...]
+    _recipes: tuple[LeafRecipe, ...]
     _treedef: Any
     _memory: list[HostMemory | None]
     _fingerprints: tuple[np.ndarray, ...]  # of each host's data bytes, taken when copied
@@ -355,7 +361,7 @@ class CodedSnapshot:
     @property
     def paths(self) -> list[str]:
         """The key path of every leaf (as ``jax.tree_util.keystr`` writes it)."""
-        return _paths(self._treedef)
+        return leaf_paths(self._treedef)
 
     def _leaves(self, rebuilt: dict[int, np.ndarray]) -> list[np.ndarray]:
         """Every leaf as a host array, assembled from its pieces, after verifying every host."""
@@ -411,5 +417,5 @@ class CodedSnapshot:
           SnapshotCorrupted: a host's bytes (kept or rebuilt) do not match their fingerprint.
         """
         leaves = self._leaves(self._rebuild_lost())
-        rebuilt = [_rebuild(r, x) for r, x in zip(self._recipes, leaves, strict=True)]
+        rebuilt = [rebuild_leaf(r, x) for r, x in zip(self._recipes, leaves, strict=True)]
         return jax.tree.unflatten(self._treedef, rebuilt)

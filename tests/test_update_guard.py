@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidevice import needs_8, run_on_8_devices
 
-from sdcguard.guard.recovery import host_fingerprint
+from sdcguard.guard.integrity import host_fingerprint
 from sdcguard.guard.update_guard import (
     GuardConfig,
     GuardState,
@@ -605,7 +605,7 @@ def test_guard_state_stays_replicated_under_check_vma_on_8_devices():
 def test_no_majority_is_refused_without_naming_a_replica_on_8_devices():
     from jax.sharding import PartitionSpec as P
 
-    from sdcguard.guard.update_guard import _agree_across_replicas
+    from sdcguard.guard.checks import replica_reasons
 
     mesh = jax.make_mesh((8,), ("data",))
 
@@ -613,7 +613,7 @@ def test_no_majority_is_refused_without_naming_a_replica_on_8_devices():
         # Four replicas hold one gradient, four another: no majority to trust.
         me = jax.lax.axis_index("data")
         grads = jnp.where(me < 4, grads, grads + 1.0)
-        reason, odd = _agree_across_replicas(grads, jnp.int32(0), "data")
+        reason, odd = replica_reasons(grads, jnp.int32(0), "data")
         return reason[None], odd[None]
 
     reason, odd = jax.jit(
@@ -820,3 +820,78 @@ def test_guard_under_jit_with_fsdp_sharded_parameters_on_8_devices(axis_type):
     new_params, state = guarded(params, guard_state, x, jnp.float32(jnp.nan))
     assert reason_names(state.reason) == ("nonfinite",)
     assert_trees_equal(new_params, params)
+
+
+# --- The state's named parts, the readers, and the names of the previous release ---------------
+
+
+def test_the_named_counters_and_window_round_trip_through_their_packed_fields():
+    """The guard state's ``counters`` and ``statistics`` fields are the packed form of
+    ``Counters`` and ``SpikeWindow``: unpacking what was packed gives every field back, also
+    with a leading replica axis."""
+    from sdcguard.guard.state import Counters
+
+    _, _, state = warmed_up()
+    counts, window = state.counts, state.spike_window
+    assert int(counts.steps) == int(state.steps) == 24 and int(counts.odd_replica) == -1
+    assert_trees_equal(Counters.unpack(counts.pack()), counts)
+    assert_trees_equal(counts.pack(), state.counters)
+    assert_trees_equal(window.pack(), state.statistics)
+    assert window.values.shape == (2, DEFAULT.window) and int(window.fill[0]) == 24
+    stacked = jax.tree.map(lambda x: jnp.stack([x, x]), counts)
+    assert stacked.pack().shape == (2, *state.counters.shape)
+    assert_trees_equal(Counters.unpack(stacked.pack()), stacked)
+
+
+def test_last_verdict_reads_a_refusal_in_one_transfer():
+    from sdcguard.guard.state import last_verdict
+
+    tx, params, state = warmed_up()
+    assert last_verdict(state) == (0, False, -1, 0, 0)
+    nan = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), toy_grads(99, params))
+    for _ in range(DEFAULT.max_consecutive):
+        _, state = tx.update(nan, state, params)
+    verdict = last_verdict(state)
+    assert verdict.reason == Reason.NONFINITE and verdict.rollback_needed
+    assert verdict.odd_replica == -1 and verdict.triage == 0
+
+
+@pytest.mark.parametrize(
+    "reason, recheck, policy, expected",
+    [
+        # (reasons of the checks, recomputation?, real_spike) -> (reason, outcome, hold, refuse)
+        (0, False, "accept", (0, "NONE", False, False)),
+        (int(Reason.LOSS_SPIKE), False, "accept", (int(Reason.LOSS_SPIKE), "NONE", True, True)),
+        (int(Reason.LOSS_SPIKE), True, "accept", (0, "REAL_ACCEPTED", False, False)),
+        (int(Reason.LOSS_SPIKE), True, "skip", (0, "REAL_SKIPPED", True, False)),
+        (1 << 16, True, "accept", (0, "SDC_CORRECTED", False, False)),
+        (int(Reason.LOSS_SPIKE) | 1 << 16, True, "accept", (4, "REFUSED", True, True)),
+        (int(Reason.LOSS_SPIKE | Reason.NONFINITE), True, "accept", (5, "REFUSED", True, True)),
+    ],
+)
+def test_the_triage_decision_for_each_case(reason, recheck, policy, expected):
+    from sdcguard.guard.reasons import Triage
+    from sdcguard.guard.triage import DIFFERED, decide
+
+    assert DIFFERED == 1 << 16
+    d = decide(jnp.int32(reason), jnp.bool_(recheck), policy)
+    want_reason, outcome, hold, refuse = expected
+    assert (int(d.reason), int(d.outcome), bool(d.hold), bool(d.refuse)) == (
+        want_reason,
+        int(Triage[outcome]),
+        hold,
+        refuse,
+    )
+
+
+def test_the_names_of_the_previous_release_still_work_with_a_warning():
+    from sdcguard.guard import update_guard
+    from sdcguard.guard.state import TriageEvent, triage_events
+
+    with pytest.warns(DeprecationWarning, match="TriageRecord is now TriageEvent"):
+        assert update_guard.TriageRecord is TriageEvent
+    with pytest.warns(DeprecationWarning, match="triage_records is now triage_events"):
+        assert update_guard.triage_records is triage_events
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        update_guard.nope  # noqa: B018
+    assert TriageEvent(3, None, ("loss_spike",), "refused").update == 3
