@@ -31,15 +31,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "sdcguard"
 # (importing module, imported module, private name) of every known offender. Each is a debt to
 # pay back by giving the name a public home; remove the entry when it is paid, never add one.
 ALLOWED = {
-    # The campaign's face re-exports its report printer and trial runner (its work moves into
-    # modules of sdcguard.campaign; until then the face reaches into them).
-    ("sdcguard.campaign", "sdcguard.campaign.report", "_print"),
-    ("sdcguard.campaign", "sdcguard.campaign.trials", "_runner"),
-    ("sdcguard.campaign.studies", "sdcguard.campaign.trials", "_runner"),
-    # protection/ reads two helpers of its sibling modules as attributes (``verify._uncanonical``
-    # in the Pallas GEMM, ``abft._as_stored`` in the program transform).
+    # The Pallas GEMM reads a helper of its sibling module as an attribute.
     ("sdcguard.protection.pallas.matmul", "sdcguard.protection.pallas.verify", "_uncanonical"),
-    ("sdcguard.protection.transform", "sdcguard.protection.abft", "_as_stored"),
 }
 
 
