@@ -321,9 +321,13 @@ def make_train_step(
                     state.params, sinks, batch, plan, state.step, abft
                 )
                 return loss, grads, transform.total(report), report, {}
-            (loss, sdc), (grads, sink_grads) = grad_fn(
-                state.params, sinks, batch, plan, state.step, abft
-            )
+            # A fault aimed at a site this step does not have fails the step, naming it: a
+            # misspelt site would otherwise look like a fault that was caught.
+            with inject.recording_injection_points(set()) as points:
+                (loss, sdc), (grads, sink_grads) = grad_fn(
+                    state.params, sinks, batch, plan, state.step, abft
+                )
+            inject.raise_if_unmatched(plan, points)
         counts = (
             linen.total_counts(sdc, sink_grads)
             if drop_ins

@@ -107,8 +107,10 @@ def test_a_fix_that_does_not_pass_the_recheck_is_uncorrectable(monkeypatch):
 
     def faulty_recompute(spec, *operands, **kwargs):
         out = einsum(spec, *operands, **kwargs)
-        if len(spec.split("->")[1]) == 1 and kwargs.get("precision") is not None:
-            out = out + 100.0  # the located element's dot: one letter out, the matrix index
+        inputs, out_letters = spec.split("->")
+        lhs, rhs = inputs.split(",")
+        if len(out_letters) == 2 and rhs[:2] == out_letters and lhs[0] == out_letters[0]:
+            out = out + 100.0  # the candidates' dots: [matrix, candidate] out
         return out
 
     monkeypatch.setattr(jnp, "einsum", faulty_recompute)

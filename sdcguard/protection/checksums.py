@@ -495,6 +495,10 @@ def repair_if(flagged: jax.Array, repair, x: jax.Array) -> tuple[jax.Array, jax.
     return apply_if(flagged, lambda checked: repair(checked[0]), (x, zeros))
 
 
+# Columns around the one the weighted checksum points to, each computed again to find the fault.
+_CANDIDATES = 16
+
+
 def _flat_index(shape: tuple[int, ...]) -> jax.Array:
     """int32 ``arange(prod(shape)).reshape(shape)``: the row-major flat index of each element."""
     return jnp.arange(math.prod(shape), dtype=jnp.int32).reshape(shape)
@@ -740,29 +744,50 @@ def check_contraction(
     by_ratio = jnp.clip(jnp.where(jnp.isfinite(ratio), ratio, 0), 0, n_line - 1).astype(jnp.int32)
     column = jnp.where(extremes > 0, extreme_at, by_ratio)
     locatable = (extremes <= 1) & ((extremes == 1) | (jnp.isfinite(ratio) & (dev != 0)))
-    # One index tuple per matrix: batch letters from the matrix's position, the others from the
-    # row and column. Flattened over the batch so the gathers and the scatter are one each.
+    # The ratio is as precise as the row's rounding allows: a moderate error in a long bf16 row
+    # may be a few columns off. The candidates are the window of columns around it; each is
+    # computed again, and the fault is the one that differs most from its exact value.
+    width = min(_CANDIDATES, n_line)
+    start = jnp.clip(column - width // 2, 0, n_line - width)
+    start = jnp.where(extremes > 0, column, start)  # one extreme element: it alone
+    offsets = jnp.where(extremes[..., None] > 0, 0, jnp.arange(width))
+    candidates = (start[..., None] + offsets).astype(jnp.uint32)  # [batch..., width]
+    # Index tuples, one per matrix (its row) and one per candidate (its column).
     n_batch = math.prod(batch_shape)
-    flat = {x: i.reshape(-1) for x, i in _unravel(jnp.arange(n_batch), ct.batch, dims).items()}
-    at = {
-        **flat,
+    per_matrix_at = {
+        **_unravel(jnp.arange(n_batch), ct.batch, dims),
         **{x: i.reshape(-1) for x, i in _unravel(row, ct.lhs_free, dims).items()},
-        **{x: i.reshape(-1) for x, i in _unravel(column, ct.rhs_free, dims).items()},
     }
-    lhs_lines = _gather_lines(a, ct.lhs, {x: at[x] for x in ct.lhs if x in at}, ct.contracted)
-    rhs_lines = _gather_lines(b, ct.rhs, {x: at[x] for x in ct.rhs if x in at}, ct.contracted)
+    per_candidate_at = {
+        **{x: jnp.repeat(i, width) for x, i in per_matrix_at.items()},
+        **{x: i.reshape(-1) for x, i in _unravel(candidates, ct.rhs_free, dims).items()},
+    }
+    lhs_lines = _gather_lines(
+        a, ct.lhs, {x: per_matrix_at[x] for x in ct.lhs if x in per_matrix_at}, ct.contracted
+    )
+    rhs_lines = _gather_lines(
+        b, ct.rhs, {x: per_candidate_at[x] for x in ct.rhs if x in per_candidate_at}, ct.contracted
+    )
     acc = jnp.promote_types(jnp.float32, jnp.result_type(a.dtype, b.dtype))
-    z = next(x for x in string.ascii_letters if x not in ct.lhs + ct.rhs)
+    z, w = [x for x in string.ascii_letters if x not in ct.lhs + ct.rhs][:2]
     lhs_k = "".join(x for x in ct.lhs if x in ct.contracted)
     rhs_k = "".join(x for x in ct.rhs if x in ct.contracted)
-    exact = jnp.einsum(
-        f"{z}{lhs_k},{z}{rhs_k}->{z}",
+    rhs_lines = rhs_lines.reshape((n_batch, width, *rhs_lines.shape[1:]))
+    exact_all = jnp.einsum(
+        f"{z}{lhs_k},{z}{w}{rhs_k}->{z}{w}",
         lhs_lines.astype(acc),
         rhs_lines.astype(acc),
         precision=lax.Precision.HIGHEST,
     ).astype(c.dtype)  # rounded as the GEMM rounds its output
+    candidate_index = tuple(per_candidate_at[x] for x in ct.out)
+    old_all = c.at[candidate_index].get(mode="promise_in_bounds").reshape(n_batch, width)
+    residual = jnp.abs(old_all.astype(acc) - exact_all.astype(acc))
+    pick = jnp.argmax(jnp.where(jnp.isnan(residual), jnp.inf, residual), axis=-1)
+    exact = jnp.take_along_axis(exact_all, pick[:, None], axis=-1)[:, 0]
+    old = jnp.take_along_axis(old_all, pick[:, None], axis=-1)[:, 0]
+    column = jnp.take_along_axis(candidates.reshape(n_batch, width), pick[:, None], axis=-1)
+    at = {**per_matrix_at, **_unravel(column[:, 0], ct.rhs_free, dims)}
     index = tuple(at[x] for x in ct.out)
-    old = c.at[index].get(mode="promise_in_bounds", unique_indices=True)
     # The row after the fix, in scaled units: the old element leaves the sums, the exact one
     # enters; the threshold follows Σ|c| of a low-precision C.
     scale = rows.scale.reshape(-1)
