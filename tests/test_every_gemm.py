@@ -118,6 +118,12 @@ def test_coverage_errors_name_the_choices():
     with pytest.raises(ValueError, match="coverage must be one of"):
         CampaignConfig(coverage="mlp")
     config = CampaignConfig(model=TINY, coverage="every_gemm", sites=("decoder/**/nowhere:*",))
+    with pytest.raises(ValueError, match=r"nowhere:\*' is no site of the gpt model.*--list-sites"):
+        config.site_list()
+    # A near miss is answered with the sites it was near.
+    config = CampaignConfig(
+        model=TINY, coverage="every_gemm", sites=("decoder/block_0/mlp/fc_im:*",)
+    )
     with pytest.raises(ValueError, match=r"(?s)no site of the gpt model.*fc_in:dot_general"):
         config.site_list()
 

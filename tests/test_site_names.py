@@ -168,7 +168,7 @@ def test_an_include_pattern_selects_exactly_one_layer(model):
     checked = {s.name for s in listed if s.checked}
     layer_1 = {s.name for s in listed if LAYER[model].format(1) in s.name}
     assert checked == layer_1 and len(checked) == 3 * 8
-    assert {s.why_unchecked for s in listed if not s.checked} == {"excluded"}
+    assert {s.why_unchecked for s in listed if not s.checked} == {"excluded by include/exclude"}
 
 
 def test_linen_attention_core_is_named_as_the_dropins_name_it():
