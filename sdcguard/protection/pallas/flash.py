@@ -61,6 +61,7 @@ from jax.experimental.pallas import triton as plgpu
 from sdcguard.fault_model import inject
 from sdcguard.protection.checksums import input_rounding, unit_roundoff
 from sdcguard.protection.config import NUM_COUNTERS, ABFTConfig
+from sdcguard.protection.pallas import mgpu_flash
 from sdcguard.protection.pallas._common import (
     NONFINITE_INPUT,
     cdiv,
@@ -123,6 +124,7 @@ class _Static:
     block_sizes: BlockSizes
     interpret: bool
     mask_shape: tuple | None  # (Bm, Hm) of the int8 mask, each 1 (broadcast) or full
+    kernel: str = "triton"  # forward kernel: "mosaic" (Mosaic GPU) or "triton"
 
     def site(self, name: str) -> str:
         return f"{self.path}:{name}"
@@ -343,6 +345,33 @@ def _tables(st: _Static, plan, names, shapes):
 
 
 def _forward(st: _Static, q, k, v, mask, plan):
+    if st.kernel == "mosaic":
+        return _forward_mosaic(st, q, k, v, plan)
+    with mgpu_flash.outside_gpu_interpret_mode(st.interpret):
+        return _forward_triton(st, q, k, v, mask, plan)
+
+
+def _forward_mosaic(st: _Static, q, k, v, plan):
+    bsz, tq, heads, d = q.shape
+    shapes = {
+        "scores": ("bhqk", (bsz, heads, tq, k.shape[1])),
+        "probs": ("bhqk", (bsz, heads, tq, k.shape[1])),
+        "context": ("bthd", (bsz, tq, heads, d)),
+    }
+    out, lse, flags = mgpu_flash.forward(
+        q,
+        k,
+        v,
+        causal=st.causal,
+        sm_scale=st.sm_scale,
+        config=st.config,
+        tables=_tables(st, plan, FORWARD_SITES, shapes),
+        blocks=_mosaic_blocks(st.block_sizes),
+    )
+    return out, lse, mgpu_flash.flag_counts(flags)
+
+
+def _forward_triton(st: _Static, q, k, v, mask, plan):
     bsz, tq, heads, d = q.shape
     tk = k.shape[1]
     bs = st.block_sizes
@@ -663,7 +692,9 @@ def _flash_fwd(st, q, k, v, mask, plan, sink):
 def _flash_bwd(st, residuals, cotangents):
     q, k, v, mask, plan, out, lse = residuals
     do, _ = cotangents
-    dq, dk, dv, counts = _backward_kernels(st, q, k, v, mask, plan, out, lse, do)
+    # Both forward kernels leave the same residuals; the backward kernels are Triton's.
+    with mgpu_flash.outside_gpu_interpret_mode(st.interpret):
+        dq, dk, dv, counts = _backward_kernels(st, q, k, v, mask, plan, out, lse, do)
     return dq, dk, dv, None, None, counts.astype(jnp.float32)
 
 
@@ -695,6 +726,7 @@ def flash_attention(
     precision=None,
     block_sizes: BlockSizes = BlockSizes(),
     interpret: bool | None = None,
+    kernel: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """Flash attention with ABFT-checked tile products, forward and backward.
 
@@ -711,8 +743,16 @@ def flash_attention(
       sink: float32 ``[2, 2, NUM_COUNTERS]`` whose gradient receives the backward counters (see
         :func:`zero_sink`).
       precision: MMA precision (None: TF32 for float32 on GPU, accounted for in the bound).
-      block_sizes: tiles.
-      interpret: interpret mode (default: when not on a GPU).
+      block_sizes: tiles (the Mosaic GPU kernel takes ``block_q`` and ``block_k`` when both are
+        multiples of 64).
+      interpret: interpret mode of the Triton kernels (default: when not on a GPU). The Mosaic
+        GPU kernel interprets under ``force_gpu_interpret_mode`` (see :mod:`.mgpu_flash`).
+      kernel: the forward kernel. ``"mosaic"``: Mosaic GPU (Hopper WGMMA/TMA;
+        bf16/fp16, head_dim a multiple of 64, no user mask, see
+        :func:`sdcguard.protection.pallas.mgpu_flash.unsupported`); ``"triton"``: Pallas's
+        Triton backend (any dtype and shape); ``"auto"``: Mosaic GPU where it can run this
+        call on a Hopper GPU or under GPU interpret mode, else Triton. The backward kernels
+        are the Triton ones either way.
 
     Returns:
       ``(out, counts)``: ``out [B, Tq, H, D]`` and int32 ``[3, NUM_COUNTERS]`` counts (rows
@@ -743,6 +783,7 @@ def flash_attention(
     if plan is not None and plan.num_faults == 0:
         plan = None
     st = _Static(
+        kernel=_choose_kernel(kernel, q, k, v, mask, block_sizes),
         causal=bool(causal),
         sm_scale=float(sm_scale),
         config=config,
@@ -753,6 +794,38 @@ def flash_attention(
         mask_shape=mask_shape,
     )
     return _flash(st, q, k, v, mask, plan, zero_sink() if sink is None else sink)
+
+
+def _mosaic_blocks(block_sizes: BlockSizes):
+    """The Mosaic GPU kernel's tiles from ``block_sizes`` (None when they do not fit it)."""
+    if block_sizes.block_q % 64 or block_sizes.block_k % 64:
+        return None
+    return mgpu_flash.MosaicBlockSizes(block_q=block_sizes.block_q, block_kv=block_sizes.block_k)
+
+
+KERNELS = ("auto", "mosaic", "triton")
+
+
+def _choose_kernel(kernel: str, q, k, v, mask, block_sizes: BlockSizes) -> str:
+    """``"mosaic"`` or ``"triton"`` for this call (see :func:`flash_attention`'s ``kernel``)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: use one of {KERNELS}")
+    if kernel == "triton":
+        return kernel
+    blocks = _mosaic_blocks(block_sizes)
+    if blocks is None:
+        reason = f"block_q={block_sizes.block_q}, block_k={block_sizes.block_k} (multiples of 64)"
+    else:
+        reason = mgpu_flash.unsupported(q, k, v, mask, blocks)
+    if kernel == "mosaic":
+        if reason is not None:
+            raise ValueError(
+                f"kernel='mosaic': the Mosaic GPU kernel does not support {reason}; "
+                "use kernel='triton' (or 'auto', which picks it)"
+            )
+        return kernel
+    use = reason is None and (mgpu_flash.interpreting() or mgpu_flash.on_hopper())
+    return "mosaic" if use else "triton"
 
 
 def attention_reference(

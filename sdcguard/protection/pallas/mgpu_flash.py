@@ -48,9 +48,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.experimental.pallas as pl
@@ -118,6 +120,69 @@ class MosaicBlockSizes:
 def interpreting() -> bool:
     """Whether Pallas kernels traced now run in GPU interpret mode (``force_gpu_interpret_mode``)."""
     return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+
+
+def _h100_mesh():
+    """An abstract mesh whose device is an H100: Mosaic GPU lowers for sm_90a under it."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=4)
+    return AbstractMesh((), (), abstract_device=device)
+
+
+@contextlib.contextmanager
+def as_h100() -> Iterator[None]:
+    """Traces the block as for an H100 (lower with ``lowering_platforms=("cuda",)`` inside).
+
+    Example:
+      >>> with as_h100():
+      ...     jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",))
+    """
+    with jax.sharding.use_abstract_mesh(_h100_mesh()):
+        yield
+
+
+@contextlib.contextmanager
+def gpu_interpret_mode() -> Iterator[None]:
+    """Runs the Mosaic GPU kernels traced in the block in GPU interpret mode, as on an H100.
+
+    Call the kernels eagerly inside (not under an enclosing ``jax.jit`` with other work): the
+    interpreter runs each warpgroup as a thread that blocks on barriers, and on a machine with
+    few cores an enclosing computation can hold the XLA:CPU threads they wait for.
+    """
+    from jax._src.pallas.mosaic_gpu.interpret.params import (
+        InterpretGPUParams,
+        force_gpu_interpret_mode,
+    )
+
+    with as_h100(), force_gpu_interpret_mode(InterpretGPUParams()):
+        yield
+
+
+def on_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (compute capability 9.x)."""
+    if jax.default_backend() != "gpu":
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
+@contextlib.contextmanager
+def outside_gpu_interpret_mode(active: bool) -> Iterator[None]:
+    """Lifts ``force_gpu_interpret_mode`` while Triton-backend kernels are traced in the block.
+
+    GPU interpret mode forces every Pallas call traced under it into the Mosaic GPU
+    interpreter, which has no rules for Triton kernels; those run in Pallas's own interpret
+    mode instead (``active``: they are interpreted; else nothing changes).
+    """
+    if not (active and interpreting()):
+        yield
+        return
+    state = jax_config.pallas_tpu_interpret_mode_context_manager
+    previous = state.swap_local(None)
+    try:
+        yield
+    finally:
+        state.set_local(previous)
 
 
 def unsupported(q, k, v, mask, blocks: MosaicBlockSizes) -> str | None:
