@@ -592,13 +592,13 @@ def forward(
                 acc = acc * _rows(alpha, o_shape)
                 l_i = l_i * alpha + l_cur
                 p16 = p.astype(dtype)
+                plgpu.barrier_wait(v_bar.at[slot])  # V and its row sums are in
                 # Expected row sums of O_t = P·V, from the probabilities the WGMMA takes.
                 f_c = (flags[4], flags[5])
                 if chk_c:
                     pf = p16.astype(jnp.float32)
                     vrow = [_load_vector(vvec_smem.at[slot, r], col_layout) for r in range(4)]
                     v_chk = [jnp.sum(pf * _cols(x, s_shape), axis=1) for x in vrow]
-                plgpu.barrier_wait(v_bar.at[slot])
                 o_t = _mma(p16, v_smem.at[slot], o_shape, transpose_b=False)
                 plgpu.barrier_arrive(v_done.at[slot])
 
@@ -639,6 +639,10 @@ def forward(
                 # The other warpgroup may need more tiles: release the slots it waits for.
                 def flush(step, _):
                     slot = lax.rem(step, jnp.array(slots, step.dtype))
+                    # Waiting on the loads too keeps every barrier phase observed by every
+                    # thread that uses it (the interpreter checks that; free on the GPU).
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    plgpu.barrier_wait(v_bar.at[slot])
                     plgpu.barrier_arrive(k_done.at[slot])
                     plgpu.barrier_arrive(v_done.at[slot])
                     schedule_barrier()
@@ -690,6 +694,14 @@ def forward(
                 plgpu.barrier_wait(k_done.at[slot])
                 plgpu.barrier_wait(v_done.at[slot])
                 load(step + slots, slot)
+
+            # The last tile of each slot: its consumption is observed here too, so that every
+            # thread sees every phase of the barriers it waits on (as the interpreter checks).
+            @pl.loop(jnp.maximum(block_steps - slots, 0), block_steps)
+            def _(step):
+                slot = lax.rem(step, jnp.array(slots, step.dtype))
+                plgpu.barrier_wait(k_done.at[slot])
+                plgpu.barrier_wait(v_done.at[slot])
 
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = (
