@@ -118,7 +118,8 @@ class MosaicBlockSizes:
 
 
 def interpreting() -> bool:
-    """Whether Pallas kernels traced now run in GPU interpret mode (``force_gpu_interpret_mode``)."""
+    """Whether Pallas kernels traced now run in GPU interpret mode (as forced by
+    ``force_gpu_interpret_mode``)."""
     return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
 
 
@@ -191,7 +192,7 @@ def unsupported(q, k, v, mask, blocks: MosaicBlockSizes) -> str | None:
         return f"dtype {q.dtype} (WGMMA kernel: bfloat16 or float16)"
     if mask is not None:
         return "a user mask (causal only)"
-    bsz, tq, heads, d = q.shape
+    tq, d = q.shape[1], q.shape[3]
     tk = k.shape[1]
     if d % 64:
         return f"head_dim {d} (a multiple of 64: 128-byte swizzled tiles)"
@@ -514,7 +515,7 @@ def forward(
             plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), head], qo, setup)
             plgpu.copy_gmem_to_smem(kscal_ref.at[batch, head], kscal_s, setup)
             plgpu.copy_gmem_to_smem(qmax_ref.at[batch, head, pl.ds(q_base, bq)], qmax_s, setup)
-            for i, n in enumerate(names):
+            for i in range(len(names)):
                 plgpu.copy_gmem_to_smem(table_refs[2 * i], tsmem[2 * i].at[wg], setup)
                 plgpu.copy_gmem_to_smem(table_refs[2 * i + 1], tsmem[2 * i + 1].at[wg], setup)
             plgpu.barrier_wait(setup)
