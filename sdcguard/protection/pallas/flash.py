@@ -38,6 +38,11 @@ Layout: ``q [B, Tq, H, D]``, ``k, v [B, Tk, H, D]`` (Flax's), ``q`` already scal
 caller wants the ``scores`` site to read (the protected Flax attention divides by sqrt(D)
 before the scores einsum; pass ``sm_scale=1`` then).
 
+Two forward kernels: the one here (Pallas's Triton backend; any dtype, shape and mask) and,
+where it can take the call, the Mosaic GPU kernel of :mod:`sdcguard.protection.pallas.mgpu_flash`
+(Hopper: TMA, WGMMA, warp specialisation; same sites, counters and fault plans), chosen by
+:func:`flash_attention`'s ``kernel``. Both leave the residuals the backward kernels here take.
+
 Why one module: the forward and backward kernels, their ``custom_vjp`` and the pure-jnp reference
 share one tiling and one set of block sizes; as in JAX's own Pallas ops, each kernel sits beside its
 reference.
@@ -751,8 +756,8 @@ def flash_attention(
         bf16/fp16, head_dim a multiple of 64, no user mask, see
         :func:`sdcguard.protection.pallas.mgpu_flash.unsupported`); ``"triton"``: Pallas's
         Triton backend (any dtype and shape); ``"auto"``: Mosaic GPU where it can run this
-        call on a Hopper GPU or under GPU interpret mode, else Triton. The backward kernels
-        are the Triton ones either way.
+        call on a Hopper GPU (unless ``interpret``) or under GPU interpret mode, else Triton.
+        The backward kernels are the Triton ones either way.
 
     Returns:
       ``(out, counts)``: ``out [B, Tq, H, D]`` and int32 ``[3, NUM_COUNTERS]`` counts (rows
@@ -783,7 +788,7 @@ def flash_attention(
     if plan is not None and plan.num_faults == 0:
         plan = None
     st = _Static(
-        kernel=_choose_kernel(kernel, q, k, v, mask, block_sizes),
+        kernel=_choose_kernel(kernel, q, k, v, mask, block_sizes, resolve_interpret(interpret)),
         causal=bool(causal),
         sm_scale=float(sm_scale),
         config=config,
@@ -806,8 +811,11 @@ def _mosaic_blocks(block_sizes: BlockSizes):
 KERNELS = ("auto", "mosaic", "triton")
 
 
-def _choose_kernel(kernel: str, q, k, v, mask, block_sizes: BlockSizes) -> str:
-    """``"mosaic"`` or ``"triton"`` for this call (see :func:`flash_attention`'s ``kernel``)."""
+def _choose_kernel(
+    kernel: str, q, k, v, mask, block_sizes: BlockSizes, interpret: bool = False
+) -> str:
+    """``"mosaic"`` or ``"triton"`` for this call (see :func:`flash_attention`'s ``kernel``;
+    ``interpret``: the Triton kernels are interpreted, so ``"auto"`` compiles no Mosaic kernel)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: use one of {KERNELS}")
     if kernel == "triton":
@@ -824,7 +832,8 @@ def _choose_kernel(kernel: str, q, k, v, mask, block_sizes: BlockSizes) -> str:
                 "use kernel='triton' (or 'auto', which picks it)"
             )
         return kernel
-    use = reason is None and (mgpu_flash.interpreting() or mgpu_flash.on_hopper())
+    compiled_on_hopper = mgpu_flash.on_hopper() and not interpret
+    use = reason is None and (mgpu_flash.interpreting() or compiled_on_hopper)
     return "mosaic" if use else "triton"
 
 
