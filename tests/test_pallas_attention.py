@@ -360,9 +360,9 @@ def test_protected_layer_lowers_for_cuda(layer):
 
 def test_attention_core_runs_the_mosaic_gpu_kernel_in_gpu_interpret_mode():
     """Under GPU interpret mode, the layers' protected core (``protected_attention``, what the
-    drop-ins call) on bf16 operands the Mosaic GPU kernel can take (no mask, head_dim 64, 128
-    tokens) runs it (forward; backward: the Triton kernels): values, gradients and counters as
-    the XLA path's, with a fault at ``scores`` and at ``context`` corrected.
+    drop-ins call) on bf16 operands the Mosaic GPU kernel can take (Flax's causal mask, head_dim
+    64, 128 tokens) runs it (forward; backward: the Triton kernels): values, gradients and
+    counters as the XLA path's, with a fault at ``scores`` and at ``context`` corrected.
 
     The core alone: the layers' projection GEMMs with implementation='pallas' are Triton-backend
     kernels, which the GPU interpreter cannot run. Eager: see ``mgpu_flash.gpu_interpret_mode``.
@@ -375,6 +375,7 @@ def test_attention_core_runs_the_mosaic_gpu_kernel_in_gpu_interpret_mode():
     q, k, v = (jax.random.normal(r, (b, t, h, d), jnp.float32).astype(dtype) for r in keys[:3])
     cot = jax.random.normal(keys[3], (b, t, h, d), jnp.float32)
     sinks = jnp.zeros((len(GEMM_SITES), 2, NUM_COUNTERS), jnp.float32)
+    mask = nn.make_causal_mask(jnp.ones((b, t), jnp.int32)).astype(bool)  # as Flax passes it
     plan = FaultPlan.from_faults(
         [
             Fault(site="attn:scores", kind="inf", index=_idx((b, h, t, t), 0, 1, 64, 0)),
@@ -386,7 +387,7 @@ def test_attention_core_runs_the_mosaic_gpu_kernel_in_gpu_interpret_mode():
         config = dataclasses.replace(CORE, implementation=implementation)
         recorder = SiteRecorder(("attn",), config, sinks)
         with faults(plan):
-            out = protected_attention(q, k, v, None, None, recorder=recorder, deterministic=True)
+            out = protected_attention(q, k, v, None, mask, recorder=recorder, deterministic=True)
         return jnp.sum(out.astype(jnp.float32) * cot), (out, recorder.stacked())
 
     results = {}

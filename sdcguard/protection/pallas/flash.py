@@ -58,7 +58,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -81,7 +80,7 @@ from sdcguard.protection.pallas._common import (
 
 # Masked scores: a large finite negative (as Flax's finfo.min), so a fully masked row gives a
 # uniform row like the XLA path, while out-of-range keys use -inf and contribute exactly 0.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MASK_VALUE = mgpu_flash.MASK_VALUE
 
 DEFAULT_CONFIG = ABFTConfig()
 
@@ -351,12 +350,12 @@ def _tables(st: _Static, plan, names, shapes):
 
 def _forward(st: _Static, q, k, v, mask, plan):
     if st.kernel == "mosaic":
-        return _forward_mosaic(st, q, k, v, plan)
+        return _forward_mosaic(st, q, k, v, mask, plan)
     with mgpu_flash.outside_gpu_interpret_mode(st.interpret):
         return _forward_triton(st, q, k, v, mask, plan)
 
 
-def _forward_mosaic(st: _Static, q, k, v, plan):
+def _forward_mosaic(st: _Static, q, k, v, mask, plan):
     bsz, tq, heads, d = q.shape
     shapes = {
         "scores": ("bhqk", (bsz, heads, tq, k.shape[1])),
@@ -372,6 +371,7 @@ def _forward_mosaic(st: _Static, q, k, v, plan):
         config=st.config,
         tables=_tables(st, plan, FORWARD_SITES, shapes),
         blocks=_mosaic_blocks(st.block_sizes),
+        mask=mask,
     )
     return out, lse, mgpu_flash.flag_counts(flags)
 
@@ -753,7 +753,7 @@ def flash_attention(
       interpret: interpret mode of the Triton kernels (default: when not on a GPU). The Mosaic
         GPU kernel interprets under ``force_gpu_interpret_mode`` (see :mod:`.mgpu_flash`).
       kernel: the forward kernel. ``"mosaic"``: Mosaic GPU (Hopper WGMMA/TMA;
-        bf16/fp16, head_dim a multiple of 64, no user mask, see
+        bf16/fp16, head_dim a multiple of 64, lengths multiples of the tiles, see
         :func:`sdcguard.protection.pallas.mgpu_flash.unsupported`); ``"triton"``: Pallas's
         Triton backend (any dtype and shape); ``"auto"``: Mosaic GPU where it can run this
         call on a Hopper GPU (unless ``interpret``) or under GPU interpret mode, else Triton.

@@ -82,6 +82,10 @@ from sdcguard.protection.pallas._common import (
     corrupt_tile,
 )
 
+# Masked scores (a user mask): a large finite negative, as Flax's finfo.min, so a fully masked
+# row gives a uniform row as on the XLA path. Kept in base-2 units here (MASK_VALUE·log2 e
+# would overflow); the Triton kernels use it in natural units.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 # Rows of the 8-row key checksum operand of the narrow WGMMA, per key tile.
@@ -190,8 +194,6 @@ def unsupported(q, k, v, mask, blocks: MosaicBlockSizes) -> str | None:
     """Why the Mosaic GPU kernel cannot take these operands (None: it can)."""
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype} (WGMMA kernel: bfloat16 or float16)"
-    if mask is not None:
-        return "a user mask (causal only)"
     tq, d = q.shape[1], q.shape[3]
     tk = k.shape[1]
     if d % 64:
@@ -294,6 +296,13 @@ def _iota(shape, dim):
     if interpreting():
         return lax.broadcasted_iota(jnp.int32, shape, dim)
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _load_tile(ref):
+    """A 16-bit ``[m, n]`` tile from swizzled shared memory, in the WGMMA accumulator layout."""
+    if interpreting():
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
 
 
 def _load_vector(ref, layout):
@@ -447,6 +456,7 @@ def forward(
     config: ABFTConfig,
     tables: dict[str, FaultTable | None],
     blocks: MosaicBlockSizes,
+    mask: jax.Array | None = None,
 ):
     """Checked flash attention forward on Mosaic GPU.
 
@@ -459,6 +469,8 @@ def forward(
       tables: fault tables of the sites in :data:`SITES` (coordinates batch, head, row, col;
         ``context`` faults go into the first tile's partial product).
       blocks: tiles.
+      mask: optional ``[Bm, Hm, Tq, Tk]`` (``Bm`` 1 or B, ``Hm`` 1 or H), nonzero attends;
+        masked scores become :data:`MASK_VALUE` after the ``scores`` check.
 
     Returns:
       ``(out, lse, flags)``: ``out [B, Tq, H, D]``; ``lse`` float32 ``[B, H, Tq]``, natural
@@ -478,11 +490,13 @@ def forward(
     u32 = unit_roundoff(jnp.float32)
 
     def kernel(q_ref, k_ref, v_ref, kchk_ref, kscal_ref, vvec_ref, qmax_ref, *refs):
+        if has_mask:
+            mask_ref, refs = refs[0], refs[1:]
         table_refs = refs[: 2 * len(names)]
         out_ref, lse_ref, flags_ref, scoped = refs[2 * len(names) :]
         smem, tsmem, barriers = scoped
-        qo2, k_smem, v_smem, kchk_smem, vvec_smem, kscal2, qmax2, lse2, flags2 = smem
-        k_bar, v_bar, setup_bar, k_done, v_done, schedule = barriers
+        qo2, k_smem, v_smem, kchk_smem, vvec_smem, kscal2, qmax2, lse2, flags2 = smem[:9]
+        k_bar, v_bar, setup_bar, k_done, v_done, schedule = barriers[:6]
         batch = lax.axis_index("batch")
         head = lax.axis_index("heads")
         wg = lax.axis_index("wg")
@@ -543,6 +557,21 @@ def forward(
                 s_shape, o_shape = (bq, bk), (bq, d)
                 q_rows = q_base + _iota(s_shape, 0)
                 k_cols = step * bk + _iota(s_shape, 1)
+                if has_mask:
+                    # This tile's mask, double-buffered per warpgroup; waited for after QKᵀ.
+                    buf = lax.rem(step, jnp.array(2, step.dtype))
+                    mask_tile_smem = smem[9].at[wg, buf]
+                    mask_bar = barriers[6].at[wg * 2 + buf]
+                    plgpu.copy_gmem_to_smem(
+                        mask_ref.at[
+                            batch if mask_b > 1 else 0,
+                            head if mask_h > 1 else 0,
+                            pl.ds(q_base, bq),
+                            pl.ds(step * bk, bk),
+                        ],
+                        mask_tile_smem,
+                        mask_bar,
+                    )
                 # S = Q·Kᵀ and, from the same query tile, its expected row sums.
                 s = _mma(qo, k_smem.at[slot], s_shape, transpose_b=True)
                 sums = _mma(qo, kchk_smem.at[slot], (bq, _KSUM_ROWS), transpose_b=True)
@@ -576,7 +605,13 @@ def forward(
                     f_s = (jnp.maximum(flags[0], det), jnp.maximum(flags[1], unc))
                 # Softmax in base 2 (m is kept scaled by log2(e), as in FA3).
                 s2 = s * (sm_scale * LOG2E)
-                if masked:
+                if has_mask:
+                    plgpu.barrier_wait(mask_bar)
+                    keep = _load_tile(mask_tile_smem).astype(jnp.float32) != 0
+                    if masked:
+                        keep = keep & (q_rows >= k_cols)
+                    s2 = jnp.where(keep, s2, MASK_VALUE)
+                elif masked:
                     s2 = jnp.where(q_rows >= k_cols, s2, -jnp.inf)
                 m_next = jnp.maximum(m_i, jnp.max(s2, axis=1))
                 alpha = jnp.exp2(m_i - m_next)
@@ -653,7 +688,12 @@ def forward(
             pl.when(wg == 0)(schedule_barrier)
             acc = acc / _rows(l_i, (bq, d))
             qo[...] = acc.astype(dtype)
-            lse_s[...] = (m_i + jnp.log2(l_i)) * LN2
+            lse = (m_i + jnp.log2(l_i)) * LN2
+            if has_mask:
+                # A fully masked row: its scores are MASK_VALUE in natural units for the
+                # backward kernels, so is its log-sum-exp (as the Triton forward leaves it).
+                lse = jnp.where(m_i <= MASK_VALUE, MASK_VALUE + jnp.log(l_i), lse)
+            lse_s[...] = lse
             for r, f in enumerate(flags):
                 flags_s.at[r][...] = f
             zero = flags[0] * 0.0
@@ -716,6 +756,12 @@ def forward(
         plgpu.SMEM((2, bq), jnp.float32),
         plgpu.SMEM((2, _FLAG_ROWS, bq), jnp.float32),
     )
+    has_mask = mask is not None
+    mask_ops = []
+    if has_mask:
+        mask_b, mask_h = mask.shape[:2]
+        smem = (*smem, plgpu.SMEM((2, 2, bq, bk), dtype, transforms=tiled))
+        mask_ops = [(mask != 0).astype(dtype)]
     tsmem = []
     table_ops = []
     for n in names:
@@ -734,6 +780,8 @@ def forward(
         plgpu.Barrier(num_arrivals=2, num_barriers=slots),
         plgpu.Barrier(num_arrivals=2),
     )
+    if has_mask:
+        barriers = (*barriers, plgpu.Barrier(num_barriers=4))
 
     def entry(*refs):
         pl.run_scoped(
@@ -757,7 +805,7 @@ def forward(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name="checked_flash_attention_fwd_mgpu",
-    )(q, k, v, kchk, kscal, vvec, qmax, *table_ops)
+    )(q, k, v, kchk, kscal, vvec, qmax, *mask_ops, *table_ops)
     return out, lse, flags
 
 
@@ -804,4 +852,3 @@ def flag_counts(flags: jax.Array):
     return jnp.stack([matrix_counts(f[..., 2 * i : 2 * i + 2], axis=2) for i in range(3)])
 
 
-del np
