@@ -31,6 +31,9 @@ is itself non-finite came from non-finite inputs (``nonfinite_input``) and is le
 Per-row flags leave the kernel and are reduced by XLA to the counters of
 :func:`sdcguard.protection.pallas._common.matrix_counts`.
 
+A boolean mask (optional) is copied tile by tile beside the key tiles; masked scores become
+:data:`MASK_VALUE` after the ``scores`` check, as in the Triton kernel.
+
 The key-side checksums carry a power of two per tile (``2^-e`` bringing the largest scaled
 sum below 1), so fp16 column sums never overflow; the value-side sums are unscaled (a value
 row whose sum overflows float32, ``|v| ≳ 1e36``, is counted as a non-finite input).
@@ -850,5 +853,3 @@ def flag_counts(flags: jax.Array):
 
     f = jnp.moveaxis(flags, 2, 3).astype(jnp.int32)  # [B, H, Tq, 8]
     return jnp.stack([matrix_counts(f[..., 2 * i : 2 * i + 2], axis=2) for i in range(3)])
-
-
