@@ -370,6 +370,16 @@ def test_mosaic_counters_equal_the_xla_path(correct):
         assert counts.tolist()[0] == [2, 1, 0, 1]
 
 
+def test_mosaic_refuses_causal_under_the_cuda_runtimes_ptxas_miscompiles(monkeypatch):
+    q, k, v = _mosaic_qkv(jnp.bfloat16)
+    blocks = mgpu_flash.MosaicBlockSizes()
+    monkeypatch.setattr(mgpu_flash, "_cuda_runtime_version", lambda: 12080)
+    assert "CUDA runtime 12080" in mgpu_flash.unsupported(q, k, v, None, blocks, causal=True)
+    assert mgpu_flash.unsupported(q, k, v, None, blocks, causal=False) is None
+    monkeypatch.setattr(mgpu_flash, "_cuda_runtime_version", lambda: 12091)
+    assert mgpu_flash.unsupported(q, k, v, None, blocks, causal=True) is None
+
+
 def test_kernel_choice_and_what_the_mosaic_kernel_refuses():
     q, k, v = _mosaic_qkv(jnp.bfloat16)
     assert fa._choose_kernel("auto", q, k, v, None, fa.BlockSizes()) == "triton"

@@ -788,7 +788,9 @@ def flash_attention(
     if plan is not None and plan.num_faults == 0:
         plan = None
     st = _Static(
-        kernel=_choose_kernel(kernel, q, k, v, mask, block_sizes, resolve_interpret(interpret)),
+        kernel=_choose_kernel(
+            kernel, q, k, v, mask, block_sizes, resolve_interpret(interpret), causal=bool(causal)
+        ),
         causal=bool(causal),
         sm_scale=float(sm_scale),
         config=config,
@@ -812,7 +814,15 @@ KERNELS = ("auto", "mosaic", "triton")
 
 
 def _choose_kernel(
-    kernel: str, q, k, v, mask, block_sizes: BlockSizes, interpret: bool = False
+    kernel: str,
+    q,
+    k,
+    v,
+    mask,
+    block_sizes: BlockSizes,
+    interpret: bool = False,
+    *,
+    causal: bool = False,
 ) -> str:
     """``"mosaic"`` or ``"triton"`` for this call (see :func:`flash_attention`'s ``kernel``;
     ``interpret``: the Triton kernels are interpreted, so ``"auto"`` compiles no Mosaic kernel)."""
@@ -824,7 +834,7 @@ def _choose_kernel(
     if blocks is None:
         reason = f"block_q={block_sizes.block_q}, block_k={block_sizes.block_k} (multiples of 64)"
     else:
-        reason = mgpu_flash.unsupported(q, k, v, mask, blocks)
+        reason = mgpu_flash.unsupported(q, k, v, mask, blocks, causal=causal)
     if kernel == "mosaic":
         if reason is not None:
             raise ValueError(

@@ -65,7 +65,6 @@ import numpy as np
 from jax import lax
 from jax._src import config as jax_config
 
-from sdcguard.fault_model.sites import FaultKind  # noqa: F401  (kinds used by corrupt_tile)
 from sdcguard.protection.checksums import (
     power_of_two_below,
     scaled_line_threshold,
@@ -83,6 +82,7 @@ from sdcguard.protection.pallas._common import (
     ROW,
     FaultTable,
     corrupt_tile,
+    matrix_counts,
 )
 
 # Masked scores (a user mask): a large finite negative, as Flax's finfo.min, so a fully masked
@@ -193,8 +193,23 @@ def outside_gpu_interpret_mode(active: bool) -> Iterator[None]:
         state.set_local(previous)
 
 
-def unsupported(q, k, v, mask, blocks: MosaicBlockSizes) -> str | None:
+def _cuda_runtime_version() -> int | None:
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:
+        return None
+    if cuda_versions is None:  # no CUDA plugin (a CPU-only install)
+        return None
+    return int(cuda_versions.cuda_runtime_get_version())
+
+
+def unsupported(q, k, v, mask, blocks: MosaicBlockSizes, *, causal: bool = False) -> str | None:
     """Why the Mosaic GPU kernel cannot take these operands (None: it can)."""
+    version = _cuda_runtime_version()
+    if causal and version is not None and 12080 <= version < 12091:
+        # JAX's own FlashAttention-3 kernel refuses these too: ptxas miscompiles its causal
+        # masking (the loop structure this kernel shares).
+        return f"causal masking with CUDA runtime {version} (ptxas 12.8.0-12.9.0 miscompile it)"
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype} (WGMMA kernel: bfloat16 or float16)"
     tq, d = q.shape[1], q.shape[3]
@@ -849,7 +864,5 @@ def _check_softmax(p, l_cur, s2, m_next, block_kv, u32, config: ABFTConfig):
 
 def flag_counts(flags: jax.Array):
     """Counters ``int32 [3, 4]`` (scores, probs, context) from the kernel's per-row flags."""
-    from sdcguard.protection.pallas._common import matrix_counts
-
     f = jnp.moveaxis(flags, 2, 3).astype(jnp.int32)  # [B, H, Tq, 8]
     return jnp.stack([matrix_counts(f[..., 2 * i : 2 * i + 2], axis=2) for i in range(3)])
