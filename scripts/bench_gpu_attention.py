@@ -1,14 +1,14 @@
-"""ABFT flash attention (Mosaic GPU forward) against cuDNN attention on a Hopper GPU.
+"""ABFT flash attention (Mosaic GPU kernels) against cuDNN attention on a Hopper GPU.
 
 For each sequence length (bf16, causal, batch 4, 16 heads, head_dim 128): forward and
 forward+backward of
 
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``, unchecked;
 - ``abft``: :func:`sdcguard.protection.pallas.flash.flash_attention` with ``kernel="mosaic"``
-  (every tile check on; backward: the Triton kernels);
+  (every tile check on, forward and backward);
 - ``abft-unchecked``: the same kernels with no site checked (the cost of the checks is the
   difference);
-- ``triton``: the same call with ``kernel="triton"`` (the Triton-backend forward).
+- ``triton``: the same call with ``kernel="triton"`` (the Triton-backend kernels).
 
 Every variant is compiled first, then timed in interleaved rounds (medians; the ratio to cuDNN
 is the median of per-round ratios). Before timing, on the GPU: the ABFT output equals cuDNN's

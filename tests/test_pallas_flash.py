@@ -225,7 +225,7 @@ def _close_mosaic(x, y, dtype):
 
 def test_mosaic_forward_and_gradients_equal_reference():
     """bf16, causal, ragged causal blocks (warpgroup 0 needs 1 key tile, warpgroup 1 two);
-    clean: no alarm forward or backward (backward: the Triton kernels)."""
+    clean: no alarm forward or backward (the Mosaic GPU dQ and dK/dV kernels)."""
     dtype = jnp.bfloat16
     q, k, v = _mosaic_qkv(dtype)
     cot = jax.random.normal(jax.random.key(5), q.shape, jnp.float32)
@@ -370,6 +370,59 @@ def test_mosaic_counters_equal_the_xla_path(correct):
         assert counts.tolist()[0] == [2, 1, 0, 1]
 
 
+def test_mosaic_backward_faults_match_xla_counters():
+    """One fault per backward GEMM site (NaN, INF, near-INF, a wrong value), at tile edges,
+    causal: each detected and corrected in the Mosaic GPU backward kernels, counters equal to
+    the XLA path's, gradients the clean ones."""
+    b, t, h, d = 1, 128, 2, 64
+    q_raw, k, v = _mosaic_qkv(jnp.bfloat16, b, t, t, h, d)
+    q = q_raw / jnp.sqrt(d).astype(q_raw.dtype)
+    bhqk, bthd = (b, h, t, t), (b, t, h, d)
+    faults = [
+        inject.Fault(site=_site("scores.grad_lhs"), kind="nan", index=_idx(bthd, 0, 63, 1, 0)),
+        inject.Fault(
+            site=_site("scores.grad_rhs"), kind="value", value=1e3, index=_idx(bthd, 0, 64, 0, 63)
+        ),
+        inject.Fault(site=_site("context.grad_lhs"), kind="inf", index=_idx(bhqk, 0, 1, 127, 64)),
+        inject.Fault(site=_site("context.grad_rhs"), kind="near_inf", index=_idx(bthd, 0, 0, 0, 5)),
+    ]
+    plan = inject.FaultPlan.from_faults(faults)
+    cot = jax.random.normal(jax.random.key(5), q.shape, jnp.float32)
+    cfg = abft.ABFTConfig()
+    causal_mask = jnp.tril(jnp.ones((1, 1, t, t), bool))
+
+    def flash_loss(q, k, v, sink, plan):
+        out, counts = fa.flash_attention(
+            q, k, v, causal=True, path="/".join(PATH), plan=plan, sink=sink, config=cfg,
+            kernel="mosaic",
+        )  # fmt: skip
+        return jnp.sum(out.astype(jnp.float32) * cot), (out, counts)
+
+    def xla_loss(q, k, v, sinks, plan):
+        rec = SiteRecorder(PATH, cfg, sinks)
+        with inject.faults(plan):
+            out = protected_attention(q, k, v, None, causal_mask, recorder=rec, deterministic=True)
+        return jnp.sum(out.astype(jnp.float32) * cot), out
+
+    with mgpu_flash.gpu_interpret_mode():
+        g, (_, counts) = jax.grad(flash_loss, argnums=(0, 1, 2, 3), has_aux=True)(
+            q, k, v, fa.zero_sink(), plan
+        )
+    sinks = jnp.zeros((len(GEMM_SITES), 2, abft.NUM_COUNTERS))
+    gx, _ = jax.jit(jax.grad(xla_loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        q_raw, k, v, sinks, plan
+    )
+    assert counts.tolist() == [[0, 0, 0, 0]] * 3
+    sink_x = np.asarray(gx[3])[[GEMM_SITES.index("scores"), GEMM_SITES.index("context")]]
+    np.testing.assert_array_equal(np.asarray(g[3]), sink_x)
+    assert np.asarray(g[3]).tolist() == [[[1, 1, 0, 0]] * 2] * 2
+    clean = lambda q, k, v: jnp.sum(
+        fa.attention_reference(q, k, v, causal=True).astype(jnp.float32) * cot
+    )
+    for a, r in zip(g[:3], jax.grad(clean, argnums=(0, 1, 2))(q, k, v), strict=True):
+        _close_mosaic(a, r, jnp.bfloat16)
+
+
 def test_mosaic_refuses_causal_under_the_cuda_runtimes_ptxas_miscompiles(monkeypatch):
     q, k, v = _mosaic_qkv(jnp.bfloat16)
     blocks = mgpu_flash.MosaicBlockSizes()
@@ -401,7 +454,7 @@ def test_kernel_choice_and_what_the_mosaic_kernel_refuses():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_mosaic_kernel_lowers_for_sm90a(dtype):
-    """Forward (Mosaic GPU) and backward (Triton) lowered for CUDA from this CPU, as on an H100:
+    """Forward and backward (Mosaic GPU) lowered for CUDA from this CPU, as on an H100:
     B 2, T 1024, H 4, D 128, causal, with a fault plan (its injection code lowers too)."""
     q, k, v = (jax.ShapeDtypeStruct((2, 1024, 4, 128), dtype) for _ in range(3))
     plan = inject.FaultPlan.from_faults([inject.Fault(site="attn:scores", kind="nan", index=3)])
@@ -418,7 +471,9 @@ def test_mosaic_kernel_lowers_for_sm90a(dtype):
         assert "mosaic_gpu" in text
         grad = jax.grad(loss, argnums=(0, 1, 2, 3))
         text = jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text and "triton" in text
+        for name in ("fwd", "dq", "dkdv"):
+            assert f"checked_flash_attention_{name}_mgpu" in text
+        assert "triton" not in text
 
 
 def test_gpu_attention_bench_says_no_gpu_and_exits_0():

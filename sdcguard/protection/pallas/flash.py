@@ -38,10 +38,10 @@ Layout: ``q [B, Tq, H, D]``, ``k, v [B, Tk, H, D]`` (Flax's), ``q`` already scal
 caller wants the ``scores`` site to read (the protected Flax attention divides by sqrt(D)
 before the scores einsum; pass ``sm_scale=1`` then).
 
-Two forward kernels: the one here (Pallas's Triton backend; any dtype, shape and mask) and,
-where it can take the call, the Mosaic GPU kernel of :mod:`sdcguard.protection.pallas.mgpu_flash`
-(Hopper: TMA, WGMMA, warp specialisation; same sites, counters and fault plans), chosen by
-:func:`flash_attention`'s ``kernel``. Both leave the residuals the backward kernels here take.
+Two implementations: the kernels here (Pallas's Triton backend; any dtype, shape and mask)
+and, where they can take the call, the Mosaic GPU kernels of
+:mod:`sdcguard.protection.pallas.mgpu_flash` (Hopper: TMA, WGMMA; same sites, counters and
+fault plans), chosen by :func:`flash_attention`'s ``kernel``.
 
 Why one module: the forward and backward kernels, their ``custom_vjp`` and the pure-jnp reference
 share one tiling and one set of block sizes; as in JAX's own Pallas ops, each kernel sits beside its
@@ -678,6 +678,31 @@ def _backward_kernels(st: _Static, q, k, v, mask, plan, out, lse, do):
     return dq, dk, dv, counts
 
 
+def _backward_mosaic(st: _Static, q, k, v, mask, plan, out, lse, do):
+    bsz, tq, heads, d = q.shape
+    tk = k.shape[1]
+    shapes = {
+        "scores.grad_lhs": ("bthd", (bsz, tq, heads, d)),
+        "scores.grad_rhs": ("bthd", (bsz, tk, heads, d)),
+        "context.grad_lhs": ("bhqk", (bsz, heads, tq, tk)),
+        "context.grad_rhs": ("bthd", (bsz, tk, heads, d)),
+    }
+    return mgpu_flash.backward(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        do.astype(q.dtype),
+        causal=st.causal,
+        sm_scale=st.sm_scale,
+        config=st.config,
+        tables=_tables(st, plan, BACKWARD_SITES, shapes),
+        blocks=_mosaic_blocks(st.block_sizes),
+        mask=mask,
+    )
+
+
 # --- custom_vjp --------------------------------------------------------------------------------
 
 
@@ -697,9 +722,11 @@ def _flash_fwd(st, q, k, v, mask, plan, sink):
 def _flash_bwd(st, residuals, cotangents):
     q, k, v, mask, plan, out, lse = residuals
     do, _ = cotangents
-    # Both forward kernels leave the same residuals; the backward kernels are Triton's.
-    with mgpu_flash.outside_gpu_interpret_mode(st.interpret):
-        dq, dk, dv, counts = _backward_kernels(st, q, k, v, mask, plan, out, lse, do)
+    if st.kernel == "mosaic":
+        dq, dk, dv, counts = _backward_mosaic(st, q, k, v, mask, plan, out, lse, do)
+    else:
+        with mgpu_flash.outside_gpu_interpret_mode(st.interpret):
+            dq, dk, dv, counts = _backward_kernels(st, q, k, v, mask, plan, out, lse, do)
     return dq, dk, dv, None, None, counts.astype(jnp.float32)
 
 
@@ -757,7 +784,7 @@ def flash_attention(
         :func:`sdcguard.protection.pallas.mgpu_flash.unsupported`); ``"triton"``: Pallas's
         Triton backend (any dtype and shape); ``"auto"``: Mosaic GPU where it can run this
         call on a Hopper GPU (unless ``interpret``) or under GPU interpret mode, else Triton.
-        The backward kernels are the Triton ones either way.
+        The backward kernels are the same backend's.
 
     Returns:
       ``(out, counts)``: ``out [B, Tq, H, D]`` and int32 ``[3, NUM_COUNTERS]`` counts (rows

@@ -1,4 +1,4 @@
-"""ABFT flash attention forward for Hopper on Mosaic GPU (TMA, WGMMA, warp specialisation).
+"""ABFT flash attention for Hopper on Mosaic GPU (TMA, WGMMA, warp specialisation).
 
 The kernel follows JAX's FlashAttention-3 kernel (``jax/experimental/pallas/ops/gpu/
 attention_mgpu.py``): a CUDA block per ``(head, 2·block_q queries, batch)``, two compute
@@ -30,6 +30,14 @@ weighted checksum agrees too; otherwise the row counts uncorrectable. A row whos
 is itself non-finite came from non-finite inputs (``nonfinite_input``) and is left as is.
 Per-row flags leave the kernel and are reduced by XLA to the counters of
 :func:`sdcguard.protection.pallas._common.matrix_counts`.
+
+The backward (:func:`backward`) is two kernels, dQ and dK/dV, as in JAX's kernel, with one
+warpgroup per block and its loads waited for in place (no warp specialisation yet); the
+recomputed scores and the four gradient products (``dP = dO·Vᵀ`` at ``context.grad_lhs``,
+``dV = Pᵀ·dO`` at ``context.grad_rhs``, ``dK = dSᵀ·Q`` at ``scores.grad_rhs``, ``dQ = dS·K`` at
+``scores.grad_lhs``) are checked the same way: a narrow WGMMA with the other operand's tile
+column sums where both operands are in shared memory, the other operand's row sums against the
+register operand where one is in registers.
 
 A boolean mask (optional) is copied tile by tile beside the key tiles; masked scores become
 :data:`MASK_VALUE` after the ``scores`` check, as in the Triton kernel.
@@ -239,57 +247,75 @@ def _split3(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
     return hi, mid, lo
 
 
+def tile_column_sums(x: jax.Array, block: int, dtype):
+    """Per tile of ``block`` rows of ``x [B, T, H, D]``: the B operand of a narrow WGMMA that
+    gives a product's expected row sums, and the tile's scalars.
+
+    Returns:
+      ``(chk, scal)``: ``chk [B, H, n·8, D]`` in ``dtype``: per tile its column sums
+      ``Σ_j x[j, :]·s`` and index-weighted column sums ``Σ_j (j+1)·x[j, :]·s`` as three-term
+      splits (rows 0-2 and 3-5; rows 6-7 zero), ``s`` a power of two bringing the largest below
+      1; ``scal`` float32 ``[B, H, ≥ n·4]``: per tile ``s``, ``Σ|x|·s``, ``Σ_j (j+1)Σ_d|x[j,d]|·s``.
+    """
+    bsz, t, heads, d = x.shape
+    n = t // block
+    f32 = jnp.float32
+    xf = x.astype(f32).reshape(bsz, n, block, heads, d)
+    w = jnp.arange(1, block + 1, dtype=f32)
+    colsum = jnp.sum(xf, axis=2)  # [B, n, H, D]
+    wsum = jnp.einsum("bnjhd,j->bnhd", xf, w, precision="highest")
+    xabs = jnp.abs(xf)
+    tot = jnp.sum(xabs, axis=(2, 4))  # [B, n, H]
+    wtot = jnp.einsum("bnjhd,j->bnh", xabs, w, precision="highest")
+    largest = jnp.maximum(jnp.max(jnp.abs(colsum), axis=-1), jnp.max(jnp.abs(wsum), axis=-1))
+    scale = power_of_two_below(largest)  # [B, n, H]
+    zero = jnp.zeros_like(colsum, dtype=dtype)
+    rows = [*_split3(colsum * scale[..., None], dtype), *_split3(wsum * scale[..., None], dtype)]
+    chk = jnp.stack([*rows, zero, zero], axis=-2)  # [B, n, H, 8, D]
+    chk = chk.transpose(0, 2, 1, 3, 4).reshape(bsz, heads, n * _KSUM_ROWS, d)
+    scal = jnp.stack([scale, tot * scale, wtot * scale, jnp.zeros_like(scale)], axis=-1)
+    scal = scal.transpose(0, 2, 1, 3).reshape(bsz, heads, n * _KSCAL)
+    # Padded to 32 floats (a TMA copy moves a multiple of 128 bytes).
+    scal = jnp.pad(scal, ((0, 0), (0, 0), (0, _kscal_len(n) - n * _KSCAL)))
+    return chk, scal
+
+
+def row_sums(x: jax.Array) -> jax.Array:
+    """float32 ``[B, H, 4, T]`` of ``x [B, T, H, D]``: per row ``Σ_d x``, ``Σ_d |x|``,
+    ``Σ_d (d+1)·x``, ``Σ_d (d+1)·|x|`` (a product's expected row sums when ``x`` is its B)."""
+    xf = x.astype(jnp.float32)
+    wd = jnp.arange(1, x.shape[-1] + 1, dtype=jnp.float32)
+    xabs = jnp.abs(xf)
+    sums = jnp.stack(
+        [
+            jnp.sum(xf, axis=-1),
+            jnp.sum(xabs, axis=-1),
+            jnp.einsum("bthd,d->bth", xf, wd, precision="highest"),
+            jnp.einsum("bthd,d->bth", xabs, wd, precision="highest"),
+        ],
+        axis=1,
+    )  # [B, 4, T, H]
+    return sums.transpose(0, 3, 1, 2)
+
+
+def row_max(x: jax.Array) -> jax.Array:
+    """float32 ``[B, H, T]``: ``max_d |x|`` per row of ``x [B, T, H, D]``."""
+    return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1).transpose(0, 2, 1)
+
+
 def check_operands(q, k, v, block_kv: int):
-    """Checksum operands of the kernel's tile checks.
+    """Checksum operands of the forward kernel's tile checks.
 
     Args:
       q: ``[B, Tq, H, D]``; k, v: ``[B, Tk, H, D]`` (bf16 or fp16).
       block_kv: keys per tile.
 
     Returns:
-      ``(kchk, kscal, vvec, qmax)``: ``kchk [B, H, nk·8, D]`` (q's dtype): per key tile, its
-      scaled column sums and index-weighted column sums as three-term splits (the B operand of
-      the narrow WGMMA); ``kscal`` float32 ``[B, H, ≥ nk·4]``: per tile its scale ``s`` and the
-      scaled magnitudes ``Σ|K|·s``, ``Σ_j (j+1)Σ_d|K[j,d]|·s``; ``vvec`` float32
-      ``[B, H, 4, Tk]``: per key ``Σ_d V``, ``Σ_d |V|``, ``Σ_d (d+1)V``, ``Σ_d (d+1)|V|``;
-      ``qmax`` float32 ``[B, H, Tq]``: ``max_d |Q|`` per query row.
+      ``(kchk, kscal, vvec, qmax)``: :func:`tile_column_sums` of ``k``, :func:`row_sums` of
+      ``v`` and :func:`row_max` of ``q``.
     """
-    bsz, tk, heads, d = k.shape
-    nk = tk // block_kv
-    f32 = jnp.float32
-    hi = "highest"
-    kf = k.astype(f32).reshape(bsz, nk, block_kv, heads, d)
-    wk = jnp.arange(1, block_kv + 1, dtype=f32)
-    ksum = jnp.sum(kf, axis=2)  # [B, nk, H, D]
-    kwsum = jnp.einsum("bnjhd,j->bnhd", kf, wk, precision=hi)
-    kabs = jnp.abs(kf)
-    ktot = jnp.sum(kabs, axis=(2, 4))  # [B, nk, H]
-    kwtot = jnp.einsum("bnjhd,j->bnh", kabs, wk, precision=hi)
-    largest = jnp.maximum(jnp.max(jnp.abs(ksum), axis=-1), jnp.max(jnp.abs(kwsum), axis=-1))
-    scale = power_of_two_below(largest)  # [B, nk, H]
-    zero = jnp.zeros_like(ksum, dtype=q.dtype)
-    rows = [*_split3(ksum * scale[..., None], q.dtype), *_split3(kwsum * scale[..., None], q.dtype)]
-    kchk = jnp.stack([*rows, zero, zero], axis=-2)  # [B, nk, H, 8, D]
-    kchk = kchk.transpose(0, 2, 1, 3, 4).reshape(bsz, heads, nk * _KSUM_ROWS, d)
-    kscal = jnp.stack([scale, ktot * scale, kwtot * scale, jnp.zeros_like(scale)], axis=-1)
-    kscal = kscal.transpose(0, 2, 1, 3).reshape(bsz, heads, nk * _KSCAL)
-    # Padded to 32 floats (a TMA copy moves a multiple of 128 bytes).
-    kscal = jnp.pad(kscal, ((0, 0), (0, 0), (0, _kscal_len(nk) - nk * _KSCAL)))
-    vf = v.astype(f32)
-    wd = jnp.arange(1, d + 1, dtype=f32)
-    vabs = jnp.abs(vf)
-    vvec = jnp.stack(
-        [
-            jnp.sum(vf, axis=-1),
-            jnp.sum(vabs, axis=-1),
-            jnp.einsum("bthd,d->bth", vf, wd, precision=hi),
-            jnp.einsum("bthd,d->bth", vabs, wd, precision=hi),
-        ],
-        axis=1,
-    )  # [B, 4, Tk, H]
-    vvec = vvec.transpose(0, 3, 1, 2)  # [B, H, 4, Tk]
-    qmax = jnp.max(jnp.abs(q.astype(f32)), axis=-1).transpose(0, 2, 1)  # [B, H, Tq]
-    return kchk, kscal, vvec, qmax
+    kchk, kscal = tile_column_sums(k, block_kv, q.dtype)
+    return kchk, kscal, row_sums(v), row_max(q)
 
 
 def padded_table(table: FaultTable) -> FaultTable:
@@ -866,3 +892,400 @@ def flag_counts(flags: jax.Array):
     """Counters ``int32 [3, 4]`` (scores, probs, context) from the kernel's per-row flags."""
     f = jnp.moveaxis(flags, 2, 3).astype(jnp.int32)  # [B, H, Tq, 8]
     return jnp.stack([matrix_counts(f[..., 2 * i : 2 * i + 2], axis=2) for i in range(3)])
+
+
+# --- Backward ----------------------------------------------------------------------------------
+#
+# Two kernels, as JAX's FlashAttention-3 backward: dQ (a block per query tile, looping over key
+# tiles) and dK/dV (a block per key tile, looping over query tiles), each recomputing the
+# scores. One warpgroup per block, loads waited for in place (no warp specialisation yet).
+# Every product is checked as in the forward: by a narrow WGMMA with the column sums of the
+# other operand's tile when both operands are in shared memory, by the row sums of B against
+# the registers' A (``Σ_k A·(Be)``) when A is in registers.
+
+BACKWARD_SITES = ("scores.grad_lhs", "scores.grad_rhs", "context.grad_lhs", "context.grad_rhs")
+
+
+def _narrow_check(c, sums, a_max, scal_ref, tile, *, contraction, line, config):
+    """Row checks of ``c = A·Bᵀ [m, n]`` from ``sums = A·chkᵀ [m, 8]`` (see
+    :func:`tile_column_sums`), ``a_max [m]`` = ``max|A|`` per row, and B's tile scalars."""
+    col8 = _iota(sums.shape, 1)
+    expected = jnp.sum(jnp.where(col8 < 3, sums, 0.0), axis=1)
+    weighted = jnp.sum(jnp.where((col8 >= 3) & (col8 < 6), sums, 0.0), axis=1)
+    scale = scal_ref[_KSCAL * tile]
+    bound = a_max * scal_ref[_KSCAL * tile + 1]
+    w_bound = a_max * scal_ref[_KSCAL * tile + 2]
+    split = 2.0**-22 * bound + 2.0**-23 * contraction * a_max
+    w_split = 2.0**-22 * w_bound + 2.0**-23 * contraction * line * a_max
+    chk = _RowCheck(
+        expected=expected,
+        weighted=weighted,
+        threshold=_threshold(
+            bound, scale, contraction=contraction, line=line, config=config, extra=split
+        ),
+        weighted_threshold=_threshold(
+            w_bound, scale, contraction=contraction, line=line, config=config, extra=w_split
+        ),
+    )
+    return _check_rows(c, chk, scale, config=config)
+
+
+def _vector_check(c, x, vecs, *, nonnegative, contraction, line, config):
+    """Row checks of ``c = X·B [m, n]`` with ``X [m, k]`` in registers and ``vecs`` the four
+    :func:`row_sums` of ``B`` (``[k]`` each, along X's columns)."""
+    shape = x.shape
+    mag = x if nonnegative else jnp.abs(x)
+    expected, bound, weighted, w_bound = (
+        jnp.sum(a * _cols(vec, shape), axis=1)
+        for a, vec in zip((x, mag, x, mag), vecs, strict=True)
+    )
+    one = jnp.float32(1.0)
+    chk = _RowCheck(
+        expected=expected,
+        weighted=weighted,
+        threshold=_threshold(bound, one, contraction=contraction, line=line, config=config),
+        weighted_threshold=_threshold(
+            w_bound, one, contraction=contraction, line=line, config=config
+        ),
+    )
+    return _check_rows(c, chk, one, config=config)
+
+
+def _max_flags(flags, slot, det, unc):
+    flags = list(flags)
+    flags[2 * slot] = jnp.maximum(flags[2 * slot], det)
+    flags[2 * slot + 1] = jnp.maximum(flags[2 * slot + 1], unc)
+    return tuple(flags)
+
+
+def backward(q, k, v, out, lse, do, *, causal, sm_scale, config, tables, blocks, mask=None):
+    """dQ, dK, dV of checked flash attention on Mosaic GPU.
+
+    Args:
+      q, k, v, out, do: ``[B, T, H, D]`` (bf16 or fp16); lse: float32 ``[B, H, Tq]`` from
+        :func:`forward`.
+      causal, sm_scale, config, blocks, mask: as for :func:`forward`.
+      tables: fault tables of :data:`BACKWARD_SITES` (coordinates batch, head, row, col in the
+        layouts of the XLA path; gradient faults go into the first tile's partial product).
+
+    Returns:
+      ``(dq, dk, dv, counts)``: counts int32 ``[2, 2, 4]``: ``[[scores.grad_lhs,
+      scores.grad_rhs], [context.grad_lhs, context.grad_rhs]]``.
+    """
+    bsz, tq, heads, d = q.shape
+    tk = k.shape[1]
+    dtype = q.dtype
+    bq = bk = 64
+    del blocks  # one warpgroup per block: 64-row tiles
+    nq, nk = tq // bq, tk // bk
+    delta = jnp.einsum(
+        "bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32), precision="highest"
+    )
+    present = {n: padded_table(t) for n, t in tables.items() if t is not None}
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    has_mask = mask is not None
+    chk = {s: config.checks(s, backward=True) for s in ("scores", "context")}
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
+    f32 = jnp.float32
+
+    def mask_tile(mask_ref, rows, cols, transpose):
+        mb, mh = mask_ref.shape[:2]
+        b = lax.axis_index("batch") if mb > 1 else 0
+        h = lax.axis_index("heads") if mh > 1 else 0
+        return mask_ref.at[b, h, rows, cols]
+
+    def scores_of(s, q_idx, k_idx, keep_tile):
+        """Scaled, masked scores in natural units (the Triton kernels' convention)."""
+        s = s * sm_scale
+        if keep_tile is not None:
+            keep = keep_tile.astype(f32) != 0
+            if causal:
+                keep = keep & (q_idx >= k_idx)
+            return jnp.where(keep, s, MASK_VALUE)
+        if causal:
+            return jnp.where(q_idx >= k_idx, s, -jnp.inf)
+        return s
+
+    def table_scratch(names):
+        return [
+            plgpu.SMEM(a.shape, a.dtype)
+            for n in names
+            for a in (present[n].ints, present[n].values)
+        ]
+
+    def table_ops(names):
+        return [a for n in names for a in (present[n].ints, present[n].values)]
+
+    def faults_of(names, table_refs, table_smem):
+        return {
+            n: (table_smem[2 * i], table_smem[2 * i + 1], present[n].count)
+            for i, n in enumerate(names)
+        }
+
+    def inject(faults, name, tile, **kw):
+        if name not in faults:
+            return tile
+        ints, vals, count = faults[name]
+        return _inject(tile, (ints, vals), count, **kw)
+
+    # --- dQ: a block per 64 queries ---
+    dq_sites = tuple(n for n in ("context.grad_lhs", "scores.grad_lhs") if n in present)
+    kchk, kscal = tile_column_sums(k, bk, dtype)
+    vchk, vscal = tile_column_sums(v, bk, dtype)
+    krow = row_sums(k)
+    qmax, domax = row_max(q), row_max(do)
+    rowvec = jnp.stack([lse, delta, qmax, domax], axis=2)  # [B, H, 4, Tq]
+
+    def dq_kernel(q_ref, k_ref, v_ref, do_ref, rowvec_ref, kchk_ref, kscal_ref, vchk_ref,
+                  vscal_ref, krow_ref, *refs):  # fmt: skip
+        if has_mask:
+            mask_ref, refs = refs[0], refs[1:]
+        table_refs = refs[: 2 * len(dq_sites)]
+        dq_ref, flags_ref, *scratch = refs[2 * len(dq_sites) :]
+        (q_s, do_s, k_s, v_s, kchk_s, vchk_s, krow_s, kscal_s, vscal_s, rv_s, flags_s,
+         mask_s, *table_s) = scratch[0]  # fmt: skip
+        setup, step_bar = scratch[1]
+        batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+        q_base = lax.axis_index("q_seq") * bq
+        rows = pl.ds(q_base, bq)
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_s, setup)
+        plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_s, setup)
+        plgpu.copy_gmem_to_smem(rowvec_ref.at[batch, head, :, rows], rv_s, setup)
+        plgpu.copy_gmem_to_smem(kscal_ref.at[batch, head], kscal_s, setup)
+        plgpu.copy_gmem_to_smem(vscal_ref.at[batch, head], vscal_s, setup)
+        for i in range(len(dq_sites)):
+            plgpu.copy_gmem_to_smem(table_refs[2 * i], table_s[2 * i], setup)
+            plgpu.copy_gmem_to_smem(table_refs[2 * i + 1], table_s[2 * i + 1], setup)
+        plgpu.barrier_wait(setup)
+        faults = faults_of(dq_sites, table_refs, table_s)
+        lse_r, delta_r, qmax_r, domax_r = (_load_vector(rv_s.at[r], row_layout) for r in range(4))
+        steps = jnp.minimum(pl.cdiv(q_base + bq, jnp.array(bk, jnp.int32)), nk) if causal else nk
+
+        def body(step, carry):
+            acc, flags = carry
+            keys = pl.ds(step * bk, bk)
+            plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, head], k_s, step_bar)
+            plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, head], v_s, step_bar)
+            tile8 = pl.ds(step * _KSUM_ROWS, _KSUM_ROWS)
+            plgpu.copy_gmem_to_smem(kchk_ref.at[batch, head, tile8], kchk_s, step_bar)
+            plgpu.copy_gmem_to_smem(vchk_ref.at[batch, head, tile8], vchk_s, step_bar)
+            plgpu.copy_gmem_to_smem(krow_ref.at[batch, head, :, keys], krow_s, step_bar)
+            if has_mask:
+                plgpu.copy_gmem_to_smem(mask_tile(mask_ref, rows, keys, False), mask_s, step_bar)
+            plgpu.barrier_wait(step_bar)
+            shape = (bq, bk)
+            q_idx = q_base + _iota(shape, 0)
+            k_idx = step * bk + _iota(shape, 1)
+            s = _mma(q_s, k_s, shape, transpose_b=True)
+            if chk["scores"]:
+                sums = _mma(q_s, kchk_s, (bq, _KSUM_ROWS), transpose_b=True)
+                s, det, unc = _narrow_check(s, sums, qmax_r, kscal_s, step, contraction=d,
+                                            line=bk, config=config)  # fmt: skip
+                flags = _max_flags(flags, 0, det, unc)
+            keep = _load_tile(mask_s) if has_mask else None
+            s = scores_of(s, q_idx, k_idx, keep)
+            p = jnp.exp(s - _rows(lse_r, shape))
+            dp = _mma(do_s, v_s, shape, transpose_b=True)
+            dp = inject(faults, "context.grad_lhs", dp, c0=batch, c1=head, rows=q_idx, cols=k_idx)
+            if chk["context"]:
+                sums = _mma(do_s, vchk_s, (bq, _KSUM_ROWS), transpose_b=True)
+                dp, det, unc = _narrow_check(dp, sums, domax_r, vscal_s, step, contraction=d,
+                                             line=bk, config=config)  # fmt: skip
+                flags = _max_flags(flags, 1, det, unc)
+            ds = (p * (dp - _rows(delta_r, shape)) * sm_scale).astype(dtype)
+            o_shape = (bq, d)
+            dq_t = _mma(ds, k_s, o_shape, transpose_b=False)
+            dq_t = inject(faults, "scores.grad_lhs", dq_t, c0=batch, c1=head,
+                          rows=q_base + _iota(o_shape, 0), cols=_iota(o_shape, 1),
+                          enabled=step == 0)  # fmt: skip
+            if chk["scores"]:
+                vecs = [_load_vector(krow_s.at[r], col_layout) for r in range(4)]
+                dq_t, det, unc = _vector_check(dq_t, ds.astype(f32), vecs, nonnegative=False,
+                                               contraction=bk, line=d, config=config)  # fmt: skip
+                flags = _max_flags(flags, 0, det, unc)
+            return acc + dq_t, flags
+
+        zero_row = _layout(jnp.full((bq,), 0.0, f32), row_layout)
+        init = (_layout(jnp.full((bq, d), 0.0, f32), plgpu.Layout.WGMMA), (zero_row,) * 4)
+        acc, flags = lax.fori_loop(0, steps, body, init)
+        q_s[...] = acc.astype(dtype)
+        for r, f in enumerate(flags):
+            flags_s.at[r][...] = f
+        for r in range(len(flags), _FLAG_ROWS):
+            flags_s.at[r][...] = flags[0] * 0.0
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_s, dq_ref.at[batch, rows, head])
+        plgpu.copy_smem_to_gmem(flags_s, flags_ref.at[batch, head, :, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    def tile(n):
+        return plgpu.SMEM((n, d), dtype, transforms=tiled)
+
+    mask_scratch = plgpu.SMEM((bq, bk), dtype, transforms=tiled) if has_mask else None
+    scratch = [
+        tile(bq), tile(bq), tile(bk), tile(bk), tile(_KSUM_ROWS), tile(_KSUM_ROWS),
+        plgpu.SMEM((4, bk), f32), plgpu.SMEM((_kscal_len(nk),), f32),
+        plgpu.SMEM((_kscal_len(nk),), f32), plgpu.SMEM((4, bq), f32),
+        plgpu.SMEM((_FLAG_ROWS, bq), f32), mask_scratch, *table_scratch(dq_sites),
+    ]  # fmt: skip
+    n_setup = 5 + 2 * len(dq_sites)
+    n_step = 5 + int(has_mask)
+    mask_ops = [(mask != 0).astype(dtype)] if has_mask else []
+    dq, flags_q = plgpu.kernel(
+        dq_kernel,
+        out_type=[
+            jax.ShapeDtypeStruct(q.shape, dtype),
+            jax.ShapeDtypeStruct((bsz, heads, _FLAG_ROWS, tq), f32),
+        ],
+        scratch_types=[
+            scratch,
+            [plgpu.Barrier(num_arrivals=n_setup), plgpu.Barrier(num_arrivals=n_step)],
+        ],
+        grid=(heads, nq, bsz),
+        grid_names=("heads", "q_seq", "batch"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name="checked_flash_attention_dq_mgpu",
+    )(q, k, v, do, rowvec, kchk, kscal, vchk, vscal, krow, *mask_ops, *table_ops(dq_sites))
+
+    # --- dK, dV: a block per 64 keys ---
+    kv_sites = tuple(
+        n for n in ("scores.grad_rhs", "context.grad_lhs", "context.grad_rhs") if n in present
+    )
+    qchk, qscal = tile_column_sums(q, bq, dtype)
+    dochk, doscal = tile_column_sums(do, bq, dtype)
+    colvec = jnp.concatenate([row_sums(q), row_sums(do), lse[:, :, None], delta[:, :, None]],
+                             axis=2)  # [B, H, 10, Tq]  # fmt: skip
+    keyvec = jnp.stack([row_max(k), row_max(v)], axis=2)  # [B, H, 2, Tk]
+    mask_ops = [jnp.swapaxes(mask != 0, 2, 3).astype(dtype)] if has_mask else []
+
+    def dkv_kernel(q_ref, k_ref, v_ref, do_ref, colvec_ref, keyvec_ref, qchk_ref, qscal_ref,
+                   dochk_ref, doscal_ref, *refs):  # fmt: skip
+        if has_mask:
+            mask_ref, refs = refs[0], refs[1:]
+        table_refs = refs[: 2 * len(kv_sites)]
+        dk_ref, dv_ref, flags_ref, *scratch = refs[2 * len(kv_sites) :]
+        (k_s, v_s, q_s, do_s, qchk_s, dochk_s, cv_s, kv_s, qscal_s, doscal_s, flags_s,
+         mask_s, *table_s) = scratch[0]  # fmt: skip
+        setup, step_bar = scratch[1]
+        batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+        k_base = lax.axis_index("kv_seq") * bk
+        keys = pl.ds(k_base, bk)
+        plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, head], k_s, setup)
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, head], v_s, setup)
+        plgpu.copy_gmem_to_smem(keyvec_ref.at[batch, head, :, keys], kv_s, setup)
+        plgpu.copy_gmem_to_smem(qscal_ref.at[batch, head], qscal_s, setup)
+        plgpu.copy_gmem_to_smem(doscal_ref.at[batch, head], doscal_s, setup)
+        for i in range(len(kv_sites)):
+            plgpu.copy_gmem_to_smem(table_refs[2 * i], table_s[2 * i], setup)
+            plgpu.copy_gmem_to_smem(table_refs[2 * i + 1], table_s[2 * i + 1], setup)
+        plgpu.barrier_wait(setup)
+        faults = faults_of(kv_sites, table_refs, table_s)
+        kmax_r, vmax_r = (_load_vector(kv_s.at[r], row_layout) for r in range(2))
+        first = lax.div(k_base, jnp.array(bq, jnp.int32)) if causal else 0
+
+        def body(step, carry):
+            dk, dv, flags = carry
+            rows = pl.ds(step * bq, bq)
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_s, step_bar)
+            plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_s, step_bar)
+            tile8 = pl.ds(step * _KSUM_ROWS, _KSUM_ROWS)
+            plgpu.copy_gmem_to_smem(qchk_ref.at[batch, head, tile8], qchk_s, step_bar)
+            plgpu.copy_gmem_to_smem(dochk_ref.at[batch, head, tile8], dochk_s, step_bar)
+            plgpu.copy_gmem_to_smem(colvec_ref.at[batch, head, :, rows], cv_s, step_bar)
+            if has_mask:
+                plgpu.copy_gmem_to_smem(mask_tile(mask_ref, keys, rows, True), mask_s, step_bar)
+            plgpu.barrier_wait(step_bar)
+            shape = (bk, bq)
+            k_idx = k_base + _iota(shape, 0)
+            q_idx = step * bq + _iota(shape, 1)
+            vec = [_load_vector(cv_s.at[r], col_layout) for r in range(10)]
+            q_vecs, do_vecs, lse_c, delta_c = vec[0:4], vec[4:8], vec[8], vec[9]
+            s_t = _mma(k_s, q_s, shape, transpose_b=True)
+            if chk["scores"]:
+                sums = _mma(k_s, qchk_s, (bk, _KSUM_ROWS), transpose_b=True)
+                s_t, det, unc = _narrow_check(s_t, sums, kmax_r, qscal_s, step, contraction=d,
+                                              line=bq, config=config)  # fmt: skip
+                flags = _max_flags(flags, 0, det, unc)
+            keep = _load_tile(mask_s) if has_mask else None
+            s_t = scores_of(s_t, q_idx, k_idx, keep)
+            p_t = jnp.exp(s_t - _cols(lse_c, shape))
+            p16 = p_t.astype(dtype)
+            o_shape = (bk, d)
+            o_rows, o_cols = k_base + _iota(o_shape, 0), _iota(o_shape, 1)
+            dv_t = _mma(p16, do_s, o_shape, transpose_b=False)
+            dv_t = inject(faults, "context.grad_rhs", dv_t, c0=batch, c1=head, rows=o_rows,
+                          cols=o_cols, enabled=step == first)  # fmt: skip
+            if chk["context"]:
+                dv_t, det, unc = _vector_check(dv_t, p16.astype(f32), do_vecs, nonnegative=True,
+                                               contraction=bq, line=d, config=config)  # fmt: skip
+                flags = _max_flags(flags, 2, det, unc)
+            dp_t = _mma(v_s, do_s, shape, transpose_b=True)
+            # The XLA path's dP is [B, H, Tq, Tk]: its row is the query, its column the key.
+            dp_t = inject(faults, "context.grad_lhs", dp_t, c0=batch, c1=head, rows=q_idx,
+                          cols=k_idx)  # fmt: skip
+            if chk["context"]:
+                sums = _mma(v_s, dochk_s, (bk, _KSUM_ROWS), transpose_b=True)
+                dp_t, det, unc = _narrow_check(dp_t, sums, vmax_r, doscal_s, step, contraction=d,
+                                               line=bq, config=config)  # fmt: skip
+                flags = _max_flags(flags, 1, det, unc)
+            ds_t = (p_t * (dp_t - _cols(delta_c, shape)) * sm_scale).astype(dtype)
+            dk_t = _mma(ds_t, q_s, o_shape, transpose_b=False)
+            dk_t = inject(faults, "scores.grad_rhs", dk_t, c0=batch, c1=head, rows=o_rows,
+                          cols=o_cols, enabled=step == first)  # fmt: skip
+            if chk["scores"]:
+                dk_t, det, unc = _vector_check(dk_t, ds_t.astype(f32), q_vecs, nonnegative=False,
+                                               contraction=bq, line=d, config=config)  # fmt: skip
+                flags = _max_flags(flags, 0, det, unc)
+            return dk + dk_t, dv + dv_t, flags
+
+        zero_acc = _layout(jnp.full((bk, d), 0.0, f32), plgpu.Layout.WGMMA)
+        zero_row = _layout(jnp.full((bk,), 0.0, f32), row_layout)
+        dk, dv, flags = lax.fori_loop(first, nq, body, (zero_acc, zero_acc, (zero_row,) * 6))
+        k_s[...] = dk.astype(dtype)
+        v_s[...] = dv.astype(dtype)
+        for r, f in enumerate(flags):
+            flags_s.at[r][...] = f
+        for r in range(len(flags), _FLAG_ROWS):
+            flags_s.at[r][...] = flags[0] * 0.0
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_s, dk_ref.at[batch, keys, head])
+        plgpu.copy_smem_to_gmem(v_s, dv_ref.at[batch, keys, head])
+        plgpu.copy_smem_to_gmem(flags_s, flags_ref.at[batch, head, :, keys])
+        plgpu.wait_smem_to_gmem(0)
+
+    mask_scratch = plgpu.SMEM((bk, bq), dtype, transforms=tiled) if has_mask else None
+    scratch = [
+        tile(bk), tile(bk), tile(bq), tile(bq), tile(_KSUM_ROWS), tile(_KSUM_ROWS),
+        plgpu.SMEM((10, bq), f32), plgpu.SMEM((2, bk), f32), plgpu.SMEM((_kscal_len(nq),), f32),
+        plgpu.SMEM((_kscal_len(nq),), f32), plgpu.SMEM((_FLAG_ROWS, bk), f32), mask_scratch,
+        *table_scratch(kv_sites),
+    ]  # fmt: skip
+    n_setup = 5 + 2 * len(kv_sites)
+    dk, dv, flags_kv = plgpu.kernel(
+        dkv_kernel,
+        out_type=[
+            jax.ShapeDtypeStruct(k.shape, dtype),
+            jax.ShapeDtypeStruct(v.shape, dtype),
+            jax.ShapeDtypeStruct((bsz, heads, _FLAG_ROWS, tk), f32),
+        ],
+        scratch_types=[
+            scratch,
+            [plgpu.Barrier(num_arrivals=n_setup), plgpu.Barrier(num_arrivals=n_step)],
+        ],
+        grid=(heads, nk, bsz),
+        grid_names=("heads", "kv_seq", "batch"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name="checked_flash_attention_dkdv_mgpu",
+    )(q, k, v, do, colvec, keyvec, qchk, qscal, dochk, doscal, *mask_ops, *table_ops(kv_sites))
+
+    fq = jnp.moveaxis(flags_q, 2, 3).astype(jnp.int32)  # [B, H, Tq, 8]
+    fkv = jnp.moveaxis(flags_kv, 2, 3).astype(jnp.int32)  # [B, H, Tk, 8]
+    both = jnp.concatenate([fq[..., 2:4], fkv[..., 2:4]], axis=2)
+    counts = jnp.stack(
+        [
+            jnp.stack([matrix_counts(fq[..., 0:2], 2), matrix_counts(fkv[..., 0:2], 2)]),
+            jnp.stack([matrix_counts(both, 2), matrix_counts(fkv[..., 4:6], 2)]),
+        ]
+    )
+    return dq, dk, dv, counts
