@@ -52,6 +52,11 @@ rule for ``transpose_ref`` operands, registers as the A operand or layout casts,
 interpreting, the products are ``jnp.dot`` with fp32 accumulation (what WGMMA computes) and
 layouts are left to the interpreter. :func:`interpreting` says which.
 
+Why one module: the forward and backward kernels share their checksum operands
+(:func:`tile_column_sums`, :func:`row_sums`), the in-kernel checks and repairs, the injection,
+the per-row flags and the shims that let one kernel body run compiled and in GPU interpret
+mode; split apart, each half would import the other's internals.
+
 Example:
   >>> out, lse, flags = forward(q, k, v, causal=True, sm_scale=1.0, config=ABFTConfig(),
   ...                           tables={}, blocks=MosaicBlockSizes())
