@@ -38,6 +38,11 @@ Layout: ``q [B, Tq, H, D]``, ``k, v [B, Tk, H, D]`` (Flax's), ``q`` already scal
 caller wants the ``scores`` site to read (the protected Flax attention divides by sqrt(D)
 before the scores einsum; pass ``sm_scale=1`` then).
 
+Two implementations: the kernels here (Pallas's Triton backend; any dtype, shape and mask)
+and, where they can take the call, the Mosaic GPU kernels of
+:mod:`sdcguard.protection.pallas.mgpu_flash` (Hopper: TMA, WGMMA; same sites, counters and
+fault plans), chosen by :func:`flash_attention`'s ``kernel``.
+
 Why one module: the forward and backward kernels, their ``custom_vjp`` and the pure-jnp reference
 share one tiling and one set of block sizes; as in JAX's own Pallas ops, each kernel sits beside its
 reference.
@@ -53,7 +58,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -61,6 +65,7 @@ from jax.experimental.pallas import triton as plgpu
 from sdcguard.fault_model import inject
 from sdcguard.protection.checksums import input_rounding, unit_roundoff
 from sdcguard.protection.config import NUM_COUNTERS, ABFTConfig
+from sdcguard.protection.pallas import mgpu_flash
 from sdcguard.protection.pallas._common import (
     NONFINITE_INPUT,
     cdiv,
@@ -75,7 +80,7 @@ from sdcguard.protection.pallas._common import (
 
 # Masked scores: a large finite negative (as Flax's finfo.min), so a fully masked row gives a
 # uniform row like the XLA path, while out-of-range keys use -inf and contribute exactly 0.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MASK_VALUE = mgpu_flash.MASK_VALUE
 
 DEFAULT_CONFIG = ABFTConfig()
 
@@ -123,6 +128,7 @@ class _Static:
     block_sizes: BlockSizes
     interpret: bool
     mask_shape: tuple | None  # (Bm, Hm) of the int8 mask, each 1 (broadcast) or full
+    kernel: str = "triton"  # forward kernel: "mosaic" (Mosaic GPU) or "triton"
 
     def site(self, name: str) -> str:
         return f"{self.path}:{name}"
@@ -343,6 +349,34 @@ def _tables(st: _Static, plan, names, shapes):
 
 
 def _forward(st: _Static, q, k, v, mask, plan):
+    if st.kernel == "mosaic":
+        return _forward_mosaic(st, q, k, v, mask, plan)
+    with mgpu_flash.outside_gpu_interpret_mode(st.interpret):
+        return _forward_triton(st, q, k, v, mask, plan)
+
+
+def _forward_mosaic(st: _Static, q, k, v, mask, plan):
+    bsz, tq, heads, d = q.shape
+    shapes = {
+        "scores": ("bhqk", (bsz, heads, tq, k.shape[1])),
+        "probs": ("bhqk", (bsz, heads, tq, k.shape[1])),
+        "context": ("bthd", (bsz, tq, heads, d)),
+    }
+    out, lse, flags = mgpu_flash.forward(
+        q,
+        k,
+        v,
+        causal=st.causal,
+        sm_scale=st.sm_scale,
+        config=st.config,
+        tables=_tables(st, plan, FORWARD_SITES, shapes),
+        blocks=_mosaic_blocks(st.block_sizes),
+        mask=mask,
+    )
+    return out, lse, mgpu_flash.flag_counts(flags)
+
+
+def _forward_triton(st: _Static, q, k, v, mask, plan):
     bsz, tq, heads, d = q.shape
     tk = k.shape[1]
     bs = st.block_sizes
@@ -644,6 +678,31 @@ def _backward_kernels(st: _Static, q, k, v, mask, plan, out, lse, do):
     return dq, dk, dv, counts
 
 
+def _backward_mosaic(st: _Static, q, k, v, mask, plan, out, lse, do):
+    bsz, tq, heads, d = q.shape
+    tk = k.shape[1]
+    shapes = {
+        "scores.grad_lhs": ("bthd", (bsz, tq, heads, d)),
+        "scores.grad_rhs": ("bthd", (bsz, tk, heads, d)),
+        "context.grad_lhs": ("bhqk", (bsz, heads, tq, tk)),
+        "context.grad_rhs": ("bthd", (bsz, tk, heads, d)),
+    }
+    return mgpu_flash.backward(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        do.astype(q.dtype),
+        causal=st.causal,
+        sm_scale=st.sm_scale,
+        config=st.config,
+        tables=_tables(st, plan, BACKWARD_SITES, shapes),
+        blocks=_mosaic_blocks(st.block_sizes),
+        mask=mask,
+    )
+
+
 # --- custom_vjp --------------------------------------------------------------------------------
 
 
@@ -663,7 +722,11 @@ def _flash_fwd(st, q, k, v, mask, plan, sink):
 def _flash_bwd(st, residuals, cotangents):
     q, k, v, mask, plan, out, lse = residuals
     do, _ = cotangents
-    dq, dk, dv, counts = _backward_kernels(st, q, k, v, mask, plan, out, lse, do)
+    if st.kernel == "mosaic":
+        dq, dk, dv, counts = _backward_mosaic(st, q, k, v, mask, plan, out, lse, do)
+    else:
+        with mgpu_flash.outside_gpu_interpret_mode(st.interpret):
+            dq, dk, dv, counts = _backward_kernels(st, q, k, v, mask, plan, out, lse, do)
     return dq, dk, dv, None, None, counts.astype(jnp.float32)
 
 
@@ -695,6 +758,7 @@ def flash_attention(
     precision=None,
     block_sizes: BlockSizes = BlockSizes(),
     interpret: bool | None = None,
+    kernel: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """Flash attention with ABFT-checked tile products, forward and backward.
 
@@ -711,8 +775,16 @@ def flash_attention(
       sink: float32 ``[2, 2, NUM_COUNTERS]`` whose gradient receives the backward counters (see
         :func:`zero_sink`).
       precision: MMA precision (None: TF32 for float32 on GPU, accounted for in the bound).
-      block_sizes: tiles.
-      interpret: interpret mode (default: when not on a GPU).
+      block_sizes: tiles (the Mosaic GPU kernel takes ``block_q`` and ``block_k`` when both are
+        multiples of 64).
+      interpret: interpret mode of the Triton kernels (default: when not on a GPU). The Mosaic
+        GPU kernel interprets under ``force_gpu_interpret_mode`` (see :mod:`.mgpu_flash`).
+      kernel: the forward kernel. ``"mosaic"``: Mosaic GPU (Hopper WGMMA/TMA;
+        bf16/fp16, head_dim a multiple of 64, lengths multiples of the tiles, see
+        :func:`sdcguard.protection.pallas.mgpu_flash.unsupported`); ``"triton"``: Pallas's
+        Triton backend (any dtype and shape); ``"auto"``: Mosaic GPU where it can run this
+        call on a Hopper GPU (unless ``interpret``) or under GPU interpret mode, else Triton.
+        The backward kernels are the same backend's.
 
     Returns:
       ``(out, counts)``: ``out [B, Tq, H, D]`` and int32 ``[3, NUM_COUNTERS]`` counts (rows
@@ -743,6 +815,9 @@ def flash_attention(
     if plan is not None and plan.num_faults == 0:
         plan = None
     st = _Static(
+        kernel=_choose_kernel(
+            kernel, q, k, v, mask, block_sizes, resolve_interpret(interpret), causal=bool(causal)
+        ),
         causal=bool(causal),
         sm_scale=float(sm_scale),
         config=config,
@@ -753,6 +828,50 @@ def flash_attention(
         mask_shape=mask_shape,
     )
     return _flash(st, q, k, v, mask, plan, zero_sink() if sink is None else sink)
+
+
+def _mosaic_blocks(block_sizes: BlockSizes):
+    """The Mosaic GPU kernel's tiles from ``block_sizes`` (None when they do not fit it)."""
+    if block_sizes.block_q % 64 or block_sizes.block_k % 64:
+        return None
+    return mgpu_flash.MosaicBlockSizes(block_q=block_sizes.block_q, block_kv=block_sizes.block_k)
+
+
+KERNELS = ("auto", "mosaic", "triton")
+
+
+def _choose_kernel(
+    kernel: str,
+    q,
+    k,
+    v,
+    mask,
+    block_sizes: BlockSizes,
+    interpret: bool = False,
+    *,
+    causal: bool = False,
+) -> str:
+    """``"mosaic"`` or ``"triton"`` for this call (see :func:`flash_attention`'s ``kernel``;
+    ``interpret``: the Triton kernels are interpreted, so ``"auto"`` compiles no Mosaic kernel)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: use one of {KERNELS}")
+    if kernel == "triton":
+        return kernel
+    blocks = _mosaic_blocks(block_sizes)
+    if blocks is None:
+        reason = f"block_q={block_sizes.block_q}, block_k={block_sizes.block_k} (multiples of 64)"
+    else:
+        reason = mgpu_flash.unsupported(q, k, v, mask, blocks, causal=causal)
+    if kernel == "mosaic":
+        if reason is not None:
+            raise ValueError(
+                f"kernel='mosaic': the Mosaic GPU kernel does not support {reason}; "
+                "use kernel='triton' (or 'auto', which picks it)"
+            )
+        return kernel
+    compiled_on_hopper = mgpu_flash.on_hopper() and not interpret
+    use = reason is None and (mgpu_flash.interpreting() or compiled_on_hopper)
+    return "mosaic" if use else "triton"
 
 
 def attention_reference(
