@@ -69,7 +69,7 @@ def test_forward_and_gradients_equal_reference(dtype):
         return jnp.sum(out.astype(jnp.float32) * cot)
 
     grads, (out, counts) = jax.jit(jax.grad(kernel_loss, argnums=(0, 1, 2, 3), has_aux=True))(
-        q, k, v, fa.zero_sink()
+        q, k, v, fa.zero_core_sink()
     )
     ref_grads = jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)
     assert counts.tolist() == [[0, 0, 0, 0]] * 3
@@ -131,7 +131,7 @@ def test_injected_faults_match_xla_counters_forward_and_backward():
 
     grad_flash = jax.jit(jax.grad(flash_loss, argnums=(0, 1, 2, 3), has_aux=True))
     grad_xla = jax.jit(jax.grad(xla_loss, argnums=(0, 1, 2, 3), has_aux=True))
-    g, (out, counts) = grad_flash(q, k, v, fa.zero_sink(), plan)
+    g, (out, counts) = grad_flash(q, k, v, fa.zero_core_sink(), plan)
     sinks = jnp.zeros((len(GEMM_SITES), 2, abft.NUM_COUNTERS))
     gx, (out_x, counts_x) = grad_xla(q_raw, k, v, sinks, plan)
 
@@ -199,7 +199,7 @@ def test_lowers_for_cuda_at_gpt_shapes(dtype):
         out, _ = fa.flash_attention(q, k, v, causal=True, plan=plan, sink=sink, interpret=False)
         return jnp.sum(out.astype(jnp.float32))
 
-    args = (q, k, v, fa.zero_sink(), plan)
+    args = (q, k, v, fa.zero_core_sink(), plan)
     for f in (loss, jax.grad(loss, argnums=(0, 1, 2, 3))):
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text()
@@ -242,7 +242,7 @@ def test_mosaic_forward_and_gradients_equal_reference():
 
     with mgpu_flash.gpu_interpret_mode():
         grads, (out, counts) = jax.grad(kernel_loss, argnums=(0, 1, 2, 3), has_aux=True)(
-            q, k, v, fa.zero_sink()
+            q, k, v, fa.zero_core_sink()
         )
     ref_grads = jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)
     assert counts.tolist() == [[0, 0, 0, 0]] * 3
@@ -274,7 +274,7 @@ def test_mosaic_with_a_mask_equals_reference_forward_and_backward():
 
     with mgpu_flash.gpu_interpret_mode():
         grads, (out, counts) = jax.grad(kernel_loss, argnums=(0, 1, 2, 3), has_aux=True)(
-            q, k, v, fa.zero_sink()
+            q, k, v, fa.zero_core_sink()
         )
     ref_grads, ref = jax.grad(ref_loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
     assert counts.tolist() == [[0, 0, 0, 0]] * 3
@@ -406,7 +406,7 @@ def test_mosaic_backward_faults_match_xla_counters():
 
     with mgpu_flash.gpu_interpret_mode():
         g, (_, counts) = jax.grad(flash_loss, argnums=(0, 1, 2, 3), has_aux=True)(
-            q, k, v, fa.zero_sink(), plan
+            q, k, v, fa.zero_core_sink(), plan
         )
     sinks = jnp.zeros((len(GEMM_SITES), 2, abft.NUM_COUNTERS))
     gx, _ = jax.jit(jax.grad(xla_loss, argnums=(0, 1, 2, 3), has_aux=True))(
@@ -465,7 +465,7 @@ def test_mosaic_kernel_lowers_for_sm90a(dtype):
         )
         return jnp.sum(out.astype(jnp.float32))
 
-    args = (q, k, v, fa.zero_sink(), plan)
+    args = (q, k, v, fa.zero_core_sink(), plan)
     with mgpu_flash.as_h100():
         text = jax.jit(loss).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text

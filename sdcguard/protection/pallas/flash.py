@@ -383,7 +383,7 @@ def _forward_triton(st: _Static, q, k, v, mask, plan):
     bq, bk = bs.block_q, bs.block_k
     dp = max(16, next_pow2(d))
     nq = cdiv(tq, bq)
-    tqp, tkp = nq * bq, cdiv(tk, bk) * bk
+    tkp = cdiv(tk, bk) * bk
     shapes = {
         "scores": ("bhqk", (bsz, heads, tq, tk)),
         "probs": ("bhqk", (bsz, heads, tq, tk)),
@@ -396,7 +396,6 @@ def _forward_triton(st: _Static, q, k, v, mask, plan):
         in_specs.append(_mask_spec(st, bq, tkp, True))
         operands.append(mask)
     t_specs, t_ops = _table_specs(tables)
-    del tqp
     out, lse, flags = pl.pallas_call(
         functools.partial(_fwd_kernel, st=st, tq=tq, tk=tk, d=d, tables=tables),
         grid=(bsz, heads, nq),
@@ -733,12 +732,12 @@ def _flash_bwd(st, residuals, cotangents):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def zero_sink() -> jax.Array:
-    """Backward-counter sink: float32 ``[2, 2, NUM_COUNTERS]`` zeros.
+def zero_core_sink() -> jax.Array:
+    """Backward-counter sink of the fused attention core: float32 ``[2, 2, NUM_COUNTERS]`` zeros
+    (one GEMM site's sink, :func:`sdcguard.protection.config.zero_sink`, for each of two).
 
     Its gradient is ``[[scores.grad_lhs, scores.grad_rhs], [context.grad_lhs,
-    context.grad_rhs]]`` counts: each ``[2, 3]`` half has the layout of
-    :func:`sdcguard.protection.config.zero_sink` for that GEMM site.
+    context.grad_rhs]]`` counts.
     """
     return jnp.zeros((2, 2, NUM_COUNTERS), jnp.float32)
 
@@ -773,7 +772,7 @@ def flash_attention(
       path: the attention module path; sites are ``f"{path}:scores"`` etc.
       plan: faults to inject (default: the plan set by :func:`sdcguard.fault_model.inject.faults`).
       sink: float32 ``[2, 2, NUM_COUNTERS]`` whose gradient receives the backward counters (see
-        :func:`zero_sink`).
+        :func:`zero_core_sink`).
       precision: MMA precision (None: TF32 for float32 on GPU, accounted for in the bound).
       block_sizes: tiles (the Mosaic GPU kernel takes ``block_q`` and ``block_k`` when both are
         multiples of 64).
@@ -827,7 +826,7 @@ def flash_attention(
         interpret=resolve_interpret(interpret),
         mask_shape=mask_shape,
     )
-    return _flash(st, q, k, v, mask, plan, zero_sink() if sink is None else sink)
+    return _flash(st, q, k, v, mask, plan, zero_core_sink() if sink is None else sink)
 
 
 def _mosaic_blocks(block_sizes: BlockSizes):
