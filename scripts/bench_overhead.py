@@ -125,7 +125,10 @@ WHOLE_STEP_VARIANTS = {
         include=tuple(f"*attn/{p}:*" for p in ("query", "key", "value", "out")), correct=False
     ),
     "class: MLP": ABFTConfig(include=("*mlp/*",), correct=False),
-    "class: head": ABFTConfig(include=("*head*", "*embed:attend*"), correct=False),
+    # The GPT reads its embedding as the head, the LM has a Dense head: each model has one.
+    "class: head": ABFTConfig(
+        include=("*head*", "*embed:attend*"), correct=False, allow_unmatched=True
+    ),
 }
 
 
