@@ -54,19 +54,18 @@ from sdcguard.protection.pallas.mgpu_matmul import SUPPORTED_DTYPES, BlockSizes
 CANONICAL = Contraction("bmk", "bkn", "bmn")
 DEFAULT_BLOCK_SIZES = BlockSizes()
 
-# Threads of a simulated GPU in interpret mode: enough for the persistent loop to give some
-# programs several tiles, few enough for the interpreter's threads on a small CPU.
-_INTERPRET_SMS = 2
-
 
 def uses_kernel(a_dtype, b_dtype) -> bool:
     """Whether operands of these dtypes run through the Hopper kernel (else the XLA path)."""
     return jnp.dtype(a_dtype) == jnp.dtype(b_dtype) and jnp.dtype(a_dtype) in SUPPORTED_DTYPES
 
 
-def _num_sms(interpret: bool) -> int:
+def _num_sms(interpret: bool, tiles: int) -> int:
     if interpret:
-        return _INTERPRET_SMS
+        # One program per CTA tile: the GPU interpreter of jax 0.10 can deadlock when one
+        # program loops over several tiles whose pipelines use barriers (seen on a loaded
+        # 2-core CPU), so interpret mode does not exercise the persistent loop.
+        return tiles
     abstract = jax.sharding.get_abstract_mesh().abstract_device
     if abstract is not None:  # lowering for a named GPU from elsewhere
         return int(abstract.num_cores)
@@ -146,6 +145,7 @@ def checked_matmul(
     max_recomputed: int = 16,
     block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
     interpret: bool | None = None,
+    emulate: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``a @ b`` with every output tile checked inside the GEMM kernel; errors corrected.
 
@@ -163,6 +163,9 @@ def checked_matmul(
       max_recomputed: how many located elements per call are recomputed exactly.
       block_sizes: tiles.
       interpret: Mosaic GPU interpret mode (default: when the backend is not a GPU).
+      emulate: run :func:`sdcguard.protection.pallas.mgpu_matmul.reference_kernel` instead of
+        the kernel: the kernel's per-tile check as plain jnp on an XLA product (fast on a
+        CPU; the tests compare the kernel with it).
 
     Returns:
       ``(c, counts)``: ``c [batch, M, N]`` (``[M, N]`` for 2-D operands) and int32
@@ -192,6 +195,7 @@ def checked_matmul(
             max_recomputed=max_recomputed,
             block_sizes=block_sizes,
             interpret=resolve_interpret(interpret),
+            emulate=emulate,
         )
     else:
         c, counts = _xla_path(
@@ -233,6 +237,7 @@ def _kernel_path(
     max_recomputed,
     block_sizes,
     interpret,
+    emulate,
 ):
     bs = block_sizes
     batch, m, k = a.shape
@@ -249,7 +254,7 @@ def _kernel_path(
     num_faults = 0
     if check:
         bc, scales, magnitudes = mgpu_matmul.checksum_columns(
-            b_p, tile_n=bs.tile_n, transposed=not interpret
+            b_p, tile_n=bs.tile_n, transposed=not (interpret or emulate)
         )
         injected = None
         if faults is not None:
@@ -264,21 +269,36 @@ def _kernel_path(
             safety=safety,
             faults=injected,
         )
-    with _interpreting(interpret):
-        c, status = mgpu_matmul.call_kernel(
+    if emulate and check:
+        c, status = mgpu_matmul.reference_kernel(
             a_p,
             b_p,
             bc,
             params,
             out_dtype=out_dtype,
             block_sizes=bs,
-            check=check,
             correct=correct,
             near_inf=float(near_inf),
             num_faults=num_faults,
-            num_sms=_num_sms(interpret),
-            interpret=interpret,
         )
+    elif emulate:
+        c, status = jnp.einsum("bmk,bkn->bmn", a_p, b_p, preferred_element_type=out_dtype), None
+    else:
+        with _interpreting(interpret):
+            c, status = mgpu_matmul.call_kernel(
+                a_p,
+                b_p,
+                bc,
+                params,
+                out_dtype=out_dtype,
+                block_sizes=bs,
+                check=check,
+                correct=correct,
+                near_inf=float(near_inf),
+                num_faults=num_faults,
+                num_sms=_num_sms(interpret, batch * (mp // bs.cta_m) * (np_ // bs.tile_n)),
+                interpret=interpret,
+            )
     if not check:
         return c[:, :m, :n], zero_counts()
     c, counts = verify.recompute_and_count(
@@ -385,6 +405,7 @@ def checked_contraction(
     preferred_element_type=None,
     block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
     interpret: bool | None = None,
+    emulate: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Einsum + injection + check for any pure contraction, on :func:`checked_matmul`.
 
@@ -408,6 +429,7 @@ def checked_contraction(
         faults=contraction_faults(plan, site, a, b, ct),
         block_sizes=block_sizes,
         interpret=interpret,
+        emulate=emulate,
     )
     return _uncanonical(c3, ct.out, groups, contraction_dims(a, b, ct)), counts
 

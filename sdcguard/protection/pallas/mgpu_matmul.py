@@ -565,3 +565,55 @@ def call_kernel(
     )
     c, status = call(a, b, bc, params)
     return (c, status) if check else (c, None)
+
+
+def reference_kernel(
+    a: jax.Array,
+    b: jax.Array,
+    bc: jax.Array,
+    params: jax.Array,
+    *,
+    out_dtype,
+    block_sizes: BlockSizes,
+    correct: bool,
+    near_inf: float,
+    num_faults: int,
+):
+    """Pure-jnp reference of the checked kernel: the same epilogue (:func:`_check_tile`) on
+    every tile, with the products computed by XLA (float32 accumulation).
+
+    Takes and returns what :func:`call_kernel` does (``bc`` in the interpret layout,
+    ``[batch, K, tiles·8]``).
+    """
+    batch, m, k = a.shape
+    n = b.shape[2]
+    tm, tn = block_sizes.tile_m, block_sizes.tile_n
+    tiles_m, tiles_n = m // tm, n // tn
+    hi = lax.Precision.HIGHEST
+    acc = jnp.einsum("bmk,bkn->bmn", a, b, preferred_element_type=jnp.float32, precision=hi)
+    chk = jnp.einsum("bmk,bkc->bmc", a, bc, preferred_element_type=jnp.float32, precision=hi)
+    # Tiles as a leading axis: [batch, tiles_m, tiles_n, tm, ...].
+    acc_t = acc.reshape(batch, tiles_m, tm, tiles_n, tn).transpose(0, 1, 3, 2, 4)
+    chk_t = chk.reshape(batch, tiles_m, tm, tiles_n, CHECK_COLUMNS).transpose(0, 1, 3, 2, 4)
+    rows = params.shape[2]
+    par_t = params.reshape(batch, tiles_n, rows, tiles_m, tm).transpose(0, 3, 1, 2, 4)
+
+    def one(acc, chk, par):
+        return _check_tile(
+            acc,
+            chk,
+            lambda r: par[r],
+            tm=tm,
+            tn=tn,
+            correct=correct,
+            near_inf=near_inf,
+            num_faults=num_faults,
+            iota=lambda shape, axis: lax.broadcasted_iota(jnp.int32, shape, axis),
+        )
+
+    fixed, state, column = jax.vmap(jax.vmap(jax.vmap(one)))(acc_t, chk_t, par_t)
+    c = fixed.transpose(0, 1, 3, 2, 4).reshape(batch, m, n).astype(out_dtype)
+    # [batch, tiles_m, tiles_n, tm] -> [batch, tiles_n, 2, M]
+    status = jnp.stack([state, column], axis=3)  # [batch, tiles_m, tiles_n, 2, tm]
+    status = status.transpose(0, 2, 3, 1, 4).reshape(batch, tiles_n, 2, m)
+    return c, status
