@@ -167,7 +167,7 @@ def test_located_beyond_capacity_counts_uncorrectable():
     a, b = _operands(dtype)
     n = SHAPE[3]
     faults = [Fault(site=SITE, kind="inf", index=row * n) for row in (0, 64)]  # two tiles
-    c, counts = matmul.checked_matmul(
+    _, counts = matmul.checked_matmul(
         a, b, plan=_plan(*faults), site=SITE, max_recomputed=1, block_sizes=SMALL, emulate=True
     )
     assert counts.tolist() == [2, 1, 1, 0]
@@ -235,7 +235,7 @@ def test_recompute_and_count_is_branch_free():
 
 
 def _lower_for_h100(check: bool, plan):
-    from jax.sharding import AbstractDevice, AbstractMesh  # noqa: PLC0415
+    from jax.sharding import AbstractDevice, AbstractMesh
 
     device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
     a = jax.ShapeDtypeStruct((2, 512, 320), jnp.bfloat16)
@@ -261,15 +261,15 @@ def test_kernel_lowers_for_sm90a(check):
 
 def test_kernel_with_too_much_shared_memory_is_refused():
     too_deep = BlockSizes(tile_m=128, tile_n=256, max_concurrent_steps=6)
-    from jax.sharding import AbstractDevice, AbstractMesh  # noqa: PLC0415
+    from jax.sharding import AbstractDevice, AbstractMesh
 
     device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
     a = jax.ShapeDtypeStruct((1, 256, 256), jnp.bfloat16)
     b = jax.ShapeDtypeStruct((1, 256, 256), jnp.bfloat16)
-    f = lambda a, b: matmul.checked_matmul(a, b, block_sizes=too_deep, interpret=False)  # noqa: E731
-    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=device)):
-        with pytest.raises(Exception, match="shared memory"):
-            jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",))
+    f = lambda a, b: matmul.checked_matmul(a, b, block_sizes=too_deep, interpret=False)
+    mesh = AbstractMesh((), (), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh), pytest.raises(Exception, match="shared memory"):
+        jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",))
 
 
 _INTERPRET_SCRIPT = textwrap.dedent(

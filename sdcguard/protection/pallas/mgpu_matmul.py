@@ -585,7 +585,7 @@ def reference_kernel(
     Takes and returns what :func:`call_kernel` does (``bc`` in the interpret layout,
     ``[batch, K, tiles·8]``).
     """
-    batch, m, k = a.shape
+    batch, m, _ = a.shape
     n = b.shape[2]
     tm, tn = block_sizes.tile_m, block_sizes.tile_n
     tiles_m, tiles_n = m // tm, n // tn
