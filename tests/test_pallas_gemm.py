@@ -15,6 +15,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -311,3 +312,42 @@ def test_kernel_in_gpu_interpret_mode_matches_the_emulation():
         pytest.xfail("the GPU interpreter did not finish in 150 s (known interpreter deadlock)")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "interpret ok" in done.stdout
+
+
+def test_gpu_bench_script_says_no_gpu_and_exits_0():
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_gpu_kernels.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "no GPU found" in done.stdout
+
+
+def test_gpu_bench_times_cases_interleaved():
+    """The timing harness of the GPU bench on tiny CPU cases: a row per variant, the baseline's
+    ratio 1, and the table prints."""
+    import importlib.util  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_gpu_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu_kernels", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    x = jnp.ones((64, 64))
+    case = bench.Case(
+        name="tiny",
+        baseline="dot",
+        variants={"dot": lambda: jnp.dot(x, x), "twice": lambda: jnp.dot(jnp.dot(x, x), x)},
+        flops=2.0 * 64**3,
+    )
+    rows = bench.run_cases([case], rounds=3, inner=2, device="cpu", start=time.perf_counter())
+    assert [r["variant"] for r in rows] == ["dot", "twice"]
+    assert rows[0]["ratio"] == 1.0 and rows[1]["ms"] > 0
+    bench.print_table(rows, "cpu")
