@@ -333,12 +333,13 @@ def test_gpu_bench_script_says_no_gpu_and_exits_0():
 def test_gpu_bench_times_cases_interleaved():
     """The timing harness of the GPU bench on tiny CPU cases: a row per variant, the baseline's
     ratio 1, and the table prints."""
-    import importlib.util  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
+    import importlib.util
+    from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "bench_gpu_kernels.py"
     spec = importlib.util.spec_from_file_location("bench_gpu_kernels", path)
     bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up there
     spec.loader.exec_module(bench)
     x = jnp.ones((64, 64))
     case = bench.Case(
