@@ -138,7 +138,7 @@ def check_correctness() -> None:
     q, k, v = (jax.random.normal(kk, (1, 24, 2, 16)) for kk in jax.random.split(ka, 3))
     out, counts = fa.flash_attention(q, k, v, causal=True, interpret=True)
     np.testing.assert_allclose(out, fa.attention_reference(q, k, v, causal=True), atol=1e-5)
-    assert counts.tolist() == [[0, 0, 0]] * 3, counts
+    assert counts.tolist() == [[0, 0, 0, 0]] * 3, counts
 
 
 def main(argv=None) -> int:
