@@ -484,14 +484,32 @@ def _check_tile(acc, chk, param, *, tm, tn, correct, near_inf, num_faults, iota)
         jnp.abs(dev_e) <= threshold_e, jnp.where(jnp.abs(dev_w) <= threshold_w, 0.0, 1.0), 1.0
     )
     upstream = jnp.where(_finite(expected_e), jnp.where(_finite(expected_w), 0.0, 1.0), 1.0)
-    # Location: a non-finite or near-INF element directly; else weighted / plain deviation.
-    extreme = jnp.where(_finite(acc), jnp.where(jnp.abs(acc) >= near_inf, 1.0, 0.0), 1.0)
-    n_extreme = jnp.sum(extreme, axis=1)
-    at_extreme = jnp.sum(extreme * col, axis=1)
+    # Location: a non-finite element directly; else the ratio of the weighted to the plain
+    # deviation; else (the scaled sums overflowed: the error dwarfs the row) the row's one
+    # near-INF element, or its largest. Clean large elements can pass near_inf, so near-INF
+    # ones are not taken before the ratio. The weighted checksum verifies the choice below.
+    nonfinite = jnp.where(_finite(acc), 0.0, 1.0)
+    n_nonfinite = jnp.sum(nonfinite, axis=1)
+    at_nonfinite = jnp.sum(nonfinite * col, axis=1)
+    big = jnp.where(_finite(acc) & (jnp.abs(acc) >= near_inf), 1.0, 0.0)
+    n_big = jnp.sum(big, axis=1)
+    at_big = jnp.sum(big * col, axis=1)
+    magnitude = jnp.where(_finite(acc), jnp.abs(acc), 0.0)
+    largest = magnitude == wide(jnp.max(magnitude, axis=1))
+    n_largest = jnp.sum(jnp.where(largest, 1.0, 0.0), axis=1)
+    at_largest = jnp.sum(jnp.where(largest, col, 0.0), axis=1)
     ratio = (dev_w / scale_w) / (dev_e / scale_e)
     by_ratio = jnp.round(jnp.where(_finite(ratio), ratio, -1.0)) - 1.0
-    column = jnp.where(n_extreme > 0.0, at_extreme, by_ratio)
-    usable = jnp.where((column >= 0.0) & (column <= tn - 1.0) & (n_extreme <= 1.0), flagged, 0.0)
+    column = jnp.where(
+        n_nonfinite > 0.0,
+        at_nonfinite,
+        jnp.where(
+            by_ratio >= 0.0,
+            by_ratio,
+            jnp.where(n_big == 1.0, at_big, jnp.where(n_largest == 1.0, at_largest, -1.0)),
+        ),
+    )
+    usable = jnp.where((column >= 0.0) & (column <= tn - 1.0) & (n_nonfinite <= 1.0), flagged, 0.0)
     hit = (col == wide(column)) & (wide(usable) > 0.0)
     rest = jnp.where(hit, 0.0, acc)
     rest_e = jnp.sum(rest * weight_e, axis=1)
