@@ -41,6 +41,10 @@ Under GPU interpret mode (``jax._src.pallas.mosaic_gpu.interpret``), layout hint
 (the interpreter has no rule for them) and ``Bc`` is passed ``[K, 8]``-major without a swizzle;
 compiled, ``Bc`` is ``[8, K]``-major with a 128-byte swizzle and read transposed by the WGMMA
 (narrow ``N``-major WGMMA operands do not lower for sm_90a).
+
+Why one module: the checksum operand, the per-tile thresholds, the kernel's epilogue and its
+pure-jnp reference share one set of units (per-tile powers of two, the split parts, the row
+layout of the parameter block); apart, a change to one would silently break the others.
 """
 
 from __future__ import annotations
