@@ -1,273 +1,354 @@
-"""verify_and_correct and checked_matmul (interpret mode) against the XLA path of the checks."""
+"""The checked Hopper GEMM (Mosaic GPU) against the XLA path of the checks.
+
+Three layers, fastest first:
+
+* the kernel's per-tile arithmetic (``emulate=True``: :func:`mgpu_matmul.reference_kernel`,
+  the epilogue of the kernel as plain jnp on an XLA product) against ``jnp.einsum`` and
+  :func:`checked_matmul_reference`: values, counters, fault plans, magnitudes, dtypes;
+* the kernel itself lowered for sm_90a from this machine (Pallas -> Mosaic GPU -> layout
+  inference -> NVVM-level MLIR, verified), checked and unchecked, with a fault plan;
+* the kernel in Mosaic GPU's interpret mode on the CPU against the emulation (slow).
+"""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tolerances import TOLERANCES
 
-from sdcguard.fault_model import inject
-from sdcguard.protection import abft, checksums
-from sdcguard.protection.pallas import matmul, verify
+from sdcguard.fault_model.inject import Fault, FaultPlan
+from sdcguard.protection import abft
+from sdcguard.protection.checksums import Contraction
+from sdcguard.protection.pallas import matmul, mgpu_matmul, verify
+from sdcguard.protection.pallas.mgpu_matmul import BlockSizes
 
-# Kernel vs reference, elementwise, relative to max|C|. float32: both sum K products in float32
-# in different orders (a few ulps of K·max|a||b|); bfloat16: C is rounded to bf16 (u = 2^-8)
-# and one ulp of a different rounding decision is allowed.
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
-
-# Ragged on purpose: no dimension is a multiple of the 16/32-wide tiles used below.
-SHAPE = (2, 40, 24, 70)  # batch, M, K, N
-SMALL_VERIFY = verify.BlockSizes(block_m=16, block_n=32)
-SMALL_GEMM = matmul.BlockSizes(block_m=16, block_n=32, block_k=16, verify=SMALL_VERIFY)
-SITE = "test/gemm:scores"
-
-
-def _operands(dtype, shape=SHAPE):
-    b, m, k, n = shape
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, (b, m, k), jnp.float32).astype(dtype)
-    bb = jax.random.normal(kb, (b, k, n), jnp.float32).astype(dtype)
-    return a, bb
+SMALL = BlockSizes(tile_m=64, tile_n=64, max_concurrent_steps=2)
+SITE = "test/gemm:out"
+# batch, M, K, N: two CTA tiles of rows, three column tiles (the last one padded), and K
+# over two panels (the last one padded).
+SHAPE = (2, 128, 100, 160)
+DTYPES = [jnp.bfloat16, jnp.float16]
 
 
-def _close(x, y, dtype):
-    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
-    scale = max(1.0, float(np.max(np.abs(y))))
-    np.testing.assert_allclose(x, y, rtol=0, atol=TOL[dtype] * scale)
+def _operands(dtype, shape=SHAPE, scale_a=1.0, scale_b=1.0, seed=0):
+    batch, m, k, n = shape
+    ka, kb = jax.random.split(jax.random.key(seed))
+    a = jax.random.normal(ka, (batch, m, k), jnp.float32) * scale_a
+    b = jax.random.normal(kb, (batch, k, n), jnp.float32) * scale_b
+    return a.astype(dtype), b.astype(dtype)
 
 
-def test_block_sizes_are_validated():
-    with pytest.raises(ValueError, match="power of two"):
-        verify.BlockSizes(block_m=24)
-    with pytest.raises(ValueError, match="power of two"):
-        matmul.BlockSizes(block_k=8)
-    with pytest.raises(ValueError, match="num_warps"):
-        matmul.BlockSizes(num_warps=3)
+def _clean(a, b, dtype):
+    return jnp.einsum("bmk,bkn->bmn", a, b, preferred_element_type=jnp.float32).astype(dtype)
+
+
+def _assert_close(actual, expected, dtype):
+    rtol, atol = TOLERANCES[jnp.dtype(dtype)]
+    x, y = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    np.testing.assert_allclose(x, y, rtol=rtol, atol=atol * max(1.0, float(np.max(np.abs(y)))))
 
 
 @jax.jit
-def _verify(c, a, b):
-    return verify.verify_and_correct(c, a, b, block_sizes=SMALL_VERIFY, interpret=True)
+def _emulated(a, b, plan):
+    return matmul.checked_matmul(a, b, plan=plan, site=SITE, block_sizes=SMALL, emulate=True)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_verify_clean_never_alarms_and_sums_match(dtype):
+def _plan(*faults):
+    return FaultPlan.from_faults(list(faults), capacity=len(faults))
+
+
+def test_block_sizes_are_validated():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        BlockSizes(tile_m=96)
+    with pytest.raises(ValueError, match="tile_k"):
+        BlockSizes(tile_k=32)
+    with pytest.raises(ValueError, match="max_concurrent_steps"):
+        BlockSizes(max_concurrent_steps=1)
+    with pytest.raises(ValueError, match=r"\[B, M, K\]"):
+        matmul.checked_matmul(jnp.ones((2, 3, 4)), jnp.ones((2, 5, 4)))
+
+
+def test_split_checksum_is_float32_exact():
+    """hi + mid + lo of the split column sums rebuild them to float32 accuracy (u³)."""
+    for dtype in DTYPES:
+        x = jax.random.uniform(jax.random.key(1), (4096,), minval=-1, maxval=1)
+        parts = mgpu_matmul._split3(x, dtype).astype(jnp.float32)
+        err = np.abs(np.asarray(parts.sum(-1) - x))
+        relative, absolute = mgpu_matmul.representation_error(dtype)
+        assert np.all(err <= 2**-23 * np.abs(np.asarray(x)) + 3 * absolute + 1e-30)
+        assert relative <= 2**-24
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clean_runs_never_alarm_across_magnitudes(dtype):
+    """Operands from tiny to huge (as far as the dtype's range keeps C finite): no alarm, and
+    C is the XLA product rounded once."""
+    if dtype == jnp.bfloat16:
+        scales = [(1e-30, 1e-5), (1.0, 1.0), (1e19, 1e15), (1e-20, 1e18)]
+    else:
+        scales = [(1e-2, 1e-1), (1.0, 1.0), (10.0, 20.0), (1e-1, 30.0)]
+    for i, (sa, sb) in enumerate(scales):
+        a, b = _operands(dtype, scale_a=sa, scale_b=sb, seed=i)
+        c, counts = _emulated(a, b, None)
+        assert counts.tolist() == [0, 0, 0, 0], (sa, sb)
+        _assert_close(c, _clean(a, b, dtype), dtype)
+
+
+# (kind, batch, row, col, bit): corners and edges of the 64x64 tiles, several tiles at once.
+FAULTS = [
+    ("inf", 0, 0, 0, 0),  # first corner of the matrix
+    ("nan", 0, 63, 64, 0),  # bottom-left corner of a tile
+    ("near_inf", 0, 64, 127, 0),  # top-right corner of another tile
+    ("-inf", 1, 127, 159, 0),  # the last element (padded tile)
+    ("bitflip", 1, 5, 70, None),  # the exponent's most significant bit
+    ("bitflip", 1, 100, 3, None),
+]
+
+
+def _exponent_msb(dtype) -> int:
+    return {jnp.bfloat16: 14, jnp.float16: 14}[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_faults_in_several_tiles_are_corrected_exactly(dtype):
     a, b = _operands(dtype)
-    c = jnp.einsum("bmk,bkn->bmn", a, b, preferred_element_type=dtype)
-    out, counts = _verify(c, a, b)
-    assert counts.tolist() == [0, 0, 0, 0]
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(c, np.float32))
-    ref = verify.encode(a, b)
-    # Both sides are in the scaled units of Checksums: a power of two per matrix.
-    row_scale, col_scale = ref.row_scale[:, None], ref.col_scale[:, None]
-    rows, cols = verify.line_sums(c, ref, block_sizes=SMALL_VERIFY, interpret=True)
-    c32 = c.astype(jnp.float32)
-    np.testing.assert_allclose(rows / row_scale, c32.sum(2), rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(cols / col_scale, c32.sum(1), rtol=1e-5, atol=1e-4)
-    c_ref = jnp.einsum("bmk,bkn->bmn", a.astype(jnp.float32), b.astype(jnp.float32))
-    np.testing.assert_allclose(ref.row / row_scale, c_ref.sum(2), rtol=1e-4, atol=1e-3)
-    np.testing.assert_allclose(ref.col / col_scale, c_ref.sum(1), rtol=1e-4, atol=1e-3)
-    # The scales are powers of two that bring the largest line sum of |B| (|A|) into [0.5, 1).
-    b_line = jnp.max(jnp.sum(jnp.abs(b.astype(jnp.float32)), axis=2), axis=1)
-    a_line = jnp.max(jnp.sum(jnp.abs(a.astype(jnp.float32)), axis=1), axis=1)
-    for line, scale in ((b_line, ref.row_scale), (a_line, ref.col_scale)):
-        assert bool(jnp.all((line * scale >= 0.5) & (line * scale < 1)))
-        np.testing.assert_array_equal(np.frexp(np.asarray(scale))[0], 0.5)
+    n = SHAPE[3]
+    faults = []
+    for kind, bi, row, col, bit in FAULTS:
+        flat = (bi * SHAPE[1] + row) * n + col
+        bit = _exponent_msb(dtype) if bit is None else bit
+        faults.append(Fault(site=SITE, kind=kind, index=flat, bit=bit))
+    clean = _clean(a, b, dtype)
+    c, counts = _emulated(a, b, _plan(*faults))
+    # One fault per tile: each tile detected and corrected.
+    assert counts.tolist() == [len(FAULTS), len(FAULTS), 0, 0]
+    # Corrected elements are recomputed, not rebuilt from checksums: equal to the clean C.
+    _assert_close(c, clean, dtype)
+    for _, bi, row, col, _ in FAULTS:
+        np.testing.assert_allclose(
+            float(c[bi, row, col]), float(clean[bi, row, col]), rtol=2 ** -jnp.finfo(dtype).nmant
+        )
+    # The XLA path (per matrix) agrees on the values.
+    ref, ref_counts = matmul.checked_matmul_reference(a, b, plan=_plan(*faults), site=SITE)
+    _assert_close(c, ref, dtype)
+    assert ref_counts.tolist()[1] == 2  # both matrices corrected there
 
 
-def _patterns(c):
-    """Corruptions of C and the names they go by (0D, 1D, extreme, several per matrix)."""
-    return {
-        "inf": c.at[1, 3, 5].set(jnp.inf),
-        "nan+near_inf": c.at[0, 3, 5].set(jnp.nan).at[1, 7, 9].set(1e12),
-        "large": c.at[0, 3, 5].add(100.0),
-        "row": c.at[1, 3, :].add(5.0),
-        "col": c.at[0, :, 9].add(-7.0),
-        "two_in_a_row": c.at[0, 4, 2].add(50.0).at[0, 4, 60].add(-30.0),
-        "two_apart": c.at[0, 3, 5].add(30.0).at[0, 9, 11].add(40.0),
-    }
+def test_two_errors_in_one_row_are_uncorrectable():
+    dtype = jnp.bfloat16
+    a, b = _operands(dtype)
+    n = SHAPE[3]
+    two = [Fault(site=SITE, kind="inf", index=5 * n + col) for col in (2, 9)]
+    other = Fault(site=SITE, kind="nan", index=(SHAPE[1] + 7) * n + 100)
+    c, counts = _emulated(a, b, _plan(*two, other))
+    assert counts.tolist() == [2, 1, 1, 0]
+    assert not np.isfinite(np.asarray(c[0, 5, 2], np.float32))  # left for the step decision
 
 
-def test_verify_corrects_like_the_xla_path():
-    a, b = _operands(jnp.float32)
-    c = jnp.einsum("bmk,bkn->bmn", a, b, precision="highest")
-    reference = jax.jit(verify.verify_and_correct_reference)
-    for name, bad in _patterns(c).items():
-        out, counts = _verify(bad, a, b)
-        ref_out, ref_counts = reference(bad, a, b)
-        if name == "two_apart":
-            # Faults in two rows and two columns: the XLA path recomputes the flagged rows and
-            # re-checks them; the kernels recompute at most one line and report the matrix
-            # uncorrectable (refused by the guard, never claimed corrected).
-            assert (counts.tolist(), ref_counts.tolist()) == ([1, 0, 1, 0], [1, 1, 0, 0])
-            continue
-        assert counts.tolist() == ref_counts.tolist(), name
-        assert counts[0] >= 1, name
-        if counts[2] == 0:
-            _close(out, c, jnp.float32)
-        _close(jnp.nan_to_num(out), jnp.nan_to_num(ref_out), jnp.float32)
-
-
-def test_verify_detect_only_counts_uncorrectable():
-    a, b = _operands(jnp.float32)
-    c = jnp.einsum("bmk,bkn->bmn", a, b, precision="highest")
-    bad = c.at[1, 3, 5].set(jnp.inf)
-    out, counts = verify.verify_and_correct(
-        bad, a, b, correct=False, block_sizes=SMALL_VERIFY, interpret=True
+def test_detect_only_counts_and_leaves_c():
+    dtype = jnp.bfloat16
+    a, b = _operands(dtype)
+    plan = _plan(Fault(site=SITE, kind="inf", index=17))
+    c, counts = matmul.checked_matmul(
+        a, b, plan=plan, site=SITE, correct=False, block_sizes=SMALL, emulate=True
     )
     assert counts.tolist() == [1, 0, 1, 0]
-    assert np.isinf(np.asarray(out)[1, 3, 5])
+    assert np.isinf(np.asarray(c, np.float32).reshape(-1)[17])
 
 
-def test_check_contraction_dropin_matches_abft():
-    """Any einsum: the drop-in canonicalises and gives checksums.check_contraction's answer."""
-    kq, kk = jax.random.split(jax.random.key(1))
-    q = jax.random.normal(kq, (2, 12, 3, 16))
-    k = jax.random.normal(kk, (2, 20, 3, 16))
-    ct = checksums.Contraction.parse("bqhd,bkhd->bhqk", 4, 4)
-    s = jnp.einsum(ct.spec, q, k, precision="highest")
-    bad = s.at[1, 2, 5, 7].set(-jnp.inf)
-    cfg = abft.ABFTConfig()
-    out, counts = jax.jit(
-        lambda s, q, k: verify.check_contraction(s, q, k, ct, config=cfg, interpret=True)
-    )(bad, q, k)
-    ref_out, ref_counts = checksums.check_contraction(bad, q, k, ct, config=cfg)
+def test_located_beyond_capacity_counts_uncorrectable():
+    dtype = jnp.float16
+    a, b = _operands(dtype)
+    n = SHAPE[3]
+    faults = [Fault(site=SITE, kind="inf", index=row * n) for row in (0, 64)]  # two tiles
+    _, counts = matmul.checked_matmul(
+        a, b, plan=_plan(*faults), site=SITE, max_recomputed=1, block_sizes=SMALL, emulate=True
+    )
+    assert counts.tolist() == [2, 1, 1, 0]
+
+
+def test_nonfinite_inputs_are_their_own_outcome():
+    dtype = jnp.bfloat16
+    a, b = _operands(dtype)
+    a = a.at[0, 10, 3].set(jnp.inf)
+    c, counts = _emulated(a, b, None)
+    # Row 10 of matrix 0 is non-finite in all three column tiles: three tiles, inputs to blame.
+    assert counts.tolist() == [3, 0, 0, 3]
+    assert not np.all(np.isfinite(np.asarray(c[0, 10], np.float32)))
+
+
+def test_float32_takes_the_xla_path():
+    a, b = _operands(jnp.float32)
+    plan = _plan(Fault(site=SITE, kind="nan", index=33))
+    c, counts = matmul.checked_matmul(a, b, plan=plan, site=SITE)
+    ref, ref_counts = matmul.checked_matmul_reference(a, b, plan=plan, site=SITE)
+    np.testing.assert_array_equal(np.asarray(c), np.asarray(ref))
     assert counts.tolist() == ref_counts.tolist() == [1, 1, 0, 0]
-    _close(out, ref_out, jnp.float32)
-    _close(out, s, jnp.float32)
+    assert not matmul.uses_kernel(jnp.float32, jnp.float32)
+    assert matmul.uses_kernel(jnp.bfloat16, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("correct", [True, False], ids=["in_place", "detect_only"])
-def test_a_nonfinite_input_is_counted_as_such_like_the_xla_path(correct):
-    # A NaN already in an operand defines NaNs in C: counted nonfinite_input, never corrected,
-    # and C left as the inputs define it, as checksums.check_contraction does.
-    kq, kk = jax.random.split(jax.random.key(1))
-    q = jax.random.normal(kq, (2, 12, 3, 16)).at[1, 4, 2, 9].set(jnp.nan)
-    k = jax.random.normal(kk, (2, 20, 3, 16))
-    ct = checksums.Contraction.parse("bqhd,bkhd->bhqk", 4, 4)
-    s = jnp.einsum(ct.spec, q, k, precision="highest")
-    cfg = abft.ABFTConfig(correct=correct)
-    out, counts = jax.jit(
-        lambda s, q, k: verify.check_contraction(s, q, k, ct, config=cfg, interpret=True)
-    )(s, q, k)
-    ref_out, ref_counts = checksums.check_contraction(s, q, k, ct, config=cfg)
-    assert counts.tolist() == ref_counts.tolist() == [1, 0, 0, 1]
-    np.testing.assert_array_equal(np.isnan(out), np.isnan(s))
-    _close(jnp.nan_to_num(out), jnp.nan_to_num(ref_out), jnp.float32)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_checked_matmul_equals_reference(dtype):
-    a, b = _operands(dtype)
-    c, counts = jax.jit(
-        lambda a, b: matmul.checked_matmul(a, b, block_sizes=SMALL_GEMM, interpret=True)
-    )(a, b)
-    ref, ref_counts = matmul.checked_matmul_reference(a, b)
-    assert c.dtype == dtype
-    assert counts.tolist() == ref_counts.tolist() == [0, 0, 0, 0]
-    _close(c, ref, dtype)
-    plain, _ = matmul.checked_matmul(a, b, check=False, block_sizes=SMALL_GEMM, interpret=True)
-    _close(plain, ref, dtype)
-
-
-# Every set has two faults (padded with one for another site) so one compilation serves all.
-_NOOP = inject.Fault(site="test/gemm:context", kind="inf", index=7)
-_FAULT_SETS = {
-    "inf": [inject.Fault(site=SITE, kind="inf", index=77), _NOOP],
-    "nan_random": [inject.Fault(site=SITE, kind="nan", seed=3), _NOOP],
-    "near_inf": [inject.Fault(site=SITE, kind="near_inf", index=4321), _NOOP],
-    "bitflip_scale": [
-        inject.Fault(site=SITE, kind="bitflip", index=500, bit=30),
-        inject.Fault(site=SITE, kind="scale", index=4000, value=1e3),
-    ],
-    "two_apart": [
-        inject.Fault(site=SITE, kind="value", index=3 * 70 + 5, value=1e4),
-        inject.Fault(site=SITE, kind="value", index=9 * 70 + 11, value=1e4),
-    ],
-    "other_site": [_NOOP, _NOOP],
-    "other_step": [inject.Fault(site=SITE, kind="inf", index=7, step=5), _NOOP],
-}
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
-def test_checked_matmul_injected_faults_match_xla_counters(dtype):
-    a, b = _operands(dtype)
-    cfg = abft.ABFTConfig()
-    run = jax.jit(
-        lambda a, b, plan: matmul.checked_contraction(
-            a,
-            b,
-            verify.CANONICAL,
-            config=cfg,
-            site=SITE,
-            plan=plan,
-            block_sizes=SMALL_GEMM,
-            interpret=True,
-        )
-    )
-    reference = jax.jit(
-        lambda a, b, plan: matmul.checked_matmul_reference(a, b, plan=plan, site=SITE)
-    )
-    clean = matmul.checked_matmul_reference(a, b)[0]
-    for name, faults in _FAULT_SETS.items():
-        plan = inject.FaultPlan.from_faults(faults).at_step(1)
-        c, counts = run(a, b, plan)
-        ref_c, ref_counts = reference(a, b, plan)
-        if name == "two_apart":  # see test_verify_corrects_like_the_xla_path
-            assert (counts.tolist(), ref_counts.tolist()) == ([1, 0, 1, 0], [1, 1, 0, 0])
-            continue
-        assert counts.tolist() == ref_counts.tolist(), name
-        if name.startswith("other"):
-            assert counts.tolist() == [0, 0, 0, 0]
-        if counts[2] == 0:
-            _close(c, clean, dtype)
-        else:
-            _close(jnp.nan_to_num(c), jnp.nan_to_num(ref_c), dtype)
-
-
-def test_checked_contraction_einsum_layout_matches_checked_einsum():
-    """A fault addressed in the einsum's output layout hits the same element as the XLA path."""
-    kq, kk = jax.random.split(jax.random.key(2))
-    q = jax.random.normal(kq, (2, 12, 3, 16))
-    k = jax.random.normal(kk, (2, 20, 3, 16))
-    spec = "bqhd,bkhd->bhqk"
-    ct = checksums.Contraction.parse(spec, 4, 4)
-    # A random index (from the seed and the site) exercises the index hash and the layout.
-    fault = inject.Fault(site=SITE, kind="scale", seed=7, value=-50)
-    plan = inject.FaultPlan.from_faults([fault])
-    cfg = abft.ABFTConfig(correct=False)
+def test_checked_contraction_matches_the_xla_path():
+    """Any pure contraction through the kernel's layout: the fault lands where the XLA path
+    puts it, and both correct it."""
+    dtype = jnp.bfloat16
+    ka, kb = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(ka, (2, 64, 2, 32)).astype(dtype)  # [batch, seq, heads, dim]
+    w = jax.random.normal(kb, (2, 32, 96)).astype(dtype)  # [heads, dim, features]
+    spec = "bshd,hdf->bsf"
+    ct = Contraction.parse(spec, x.ndim, w.ndim)
+    plan = _plan(Fault(site=SITE, kind="inf", index=1234))
+    config = abft.ABFTConfig()
     c, counts = matmul.checked_contraction(
-        q, k, ct, config=cfg, site=SITE, plan=plan, block_sizes=SMALL_GEMM, interpret=True
+        x, w, ct, config=config, site=SITE, plan=plan, block_sizes=SMALL, emulate=True
     )
-    ref, ref_counts = abft.checked_einsum(spec, q, k, site=SITE, config=cfg, plan=plan)
-    assert counts.tolist() == ref_counts.tolist() == [1, 0, 1, 0]
-    _close(c, ref, jnp.float32)  # the same element was corrupted the same way
+    ref, ref_counts = abft.checked_einsum(spec, x, w, site=SITE, plan=plan)
+    assert counts.tolist() == ref_counts.tolist() == [1, 1, 0, 0]
+    _assert_close(c, ref, dtype)
 
 
-def _lowers_for_cuda(f, *args):
-    lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-    assert "triton" in lowered.as_text()
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernels_lower_for_cuda_at_gpt_shapes(dtype):
-    # The reference GPT: batch 8, seq 64, heads 4, head_dim 16, d_model 64. Its attention GEMMs
-    # as canonical batched GEMMs: scores [32, 64, 16] x [32, 16, 64], the projections
-    # [1, 512, 64] x [1, 64, 64].
-    plan = inject.FaultPlan.from_faults([inject.Fault(site=SITE, kind="bitflip", index=3, bit=3)])
-    for shape in [(32, 64, 16, 64), (1, 512, 64, 64)]:
-        a, b = _operands(dtype, shape)
-        _lowers_for_cuda(
-            lambda a, b, plan: matmul.checked_contraction(
-                a, b, verify.CANONICAL, config=abft.ABFTConfig(), site=SITE, plan=plan,
-                interpret=False,
-            ),
-            a,
-            b,
-            plan,
-        )  # fmt: skip
-        c = jnp.zeros((shape[0], shape[1], shape[3]), dtype)
-        _lowers_for_cuda(
-            lambda c, a, b: verify.verify_and_correct(c, a, b, interpret=False), c, a, b
+def test_recompute_and_count_is_branch_free():
+    """The host side after the kernel compiles to no loop or conditional."""
+    a, b = _operands(jnp.bfloat16)
+    c = jnp.zeros((2, 128, 192), jnp.bfloat16)
+    status = jnp.zeros((2, 3, 2, 128), jnp.float32)
+    hlo = (
+        jax.jit(
+            lambda a, b, c, s: verify.recompute_and_count(
+                a, b, c, s, max_recomputed=4, tile_m=64, tile_n=64
+            )
         )
+        .lower(a, b, c, status)
+        .compile()
+        .as_text()
+    )
+    assert " while(" not in hlo and " conditional(" not in hlo
+
+
+# --- The kernel itself -------------------------------------------------------------------------
+
+
+def _lower_for_h100(check: bool, plan):
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+    a = jax.ShapeDtypeStruct((2, 512, 320), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((2, 320, 384), jnp.bfloat16)
+
+    def f(a, b, plan):
+        return matmul.checked_matmul(a, b, check=check, plan=plan, site=SITE, interpret=False)
+
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=device)):
+        return jax.jit(f).trace(a, b, plan).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+def test_kernel_lowers_for_sm90a(check):
+    """Pallas -> Mosaic GPU dialect -> layout inference for sm_90 -> lowered MLIR that
+    verifies, within Hopper's shared memory: the WGMMAs (the narrow one included), TMA
+    pipeline and epilogue are all accepted. PTX and SASS are produced on the GPU only."""
+    text = _lower_for_h100(check, _plan(Fault(site=SITE, kind="inf", index=5)))
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
+    assert len(calls) == 1
+    assert ("checked_matmul" if check else "matmul") in text
+
+
+def test_kernel_with_too_much_shared_memory_is_refused():
+    too_deep = BlockSizes(tile_m=128, tile_n=256, max_concurrent_steps=6)
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+    a = jax.ShapeDtypeStruct((1, 256, 256), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((1, 256, 256), jnp.bfloat16)
+    f = lambda a, b: matmul.checked_matmul(a, b, block_sizes=too_deep, interpret=False)
+    mesh = AbstractMesh((), (), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh), pytest.raises(Exception, match="shared memory"):
+        jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",))
+
+
+_INTERPRET_SCRIPT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    from sdcguard.fault_model.inject import Fault, FaultPlan
+    from sdcguard.protection.pallas import matmul
+    from sdcguard.protection.pallas.mgpu_matmul import BlockSizes
+    small = BlockSizes(tile_m=64, tile_n=64, max_concurrent_steps=2)
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (1, 128, 128)).astype(jnp.bfloat16)
+    b = jax.random.normal(kb, (1, 128, 128)).astype(jnp.bfloat16)
+    plan = FaultPlan.from_faults([Fault(site="t/g:o", kind="inf", index=1000)], capacity=1)
+    run = lambda emulate: matmul.checked_matmul(
+        a, b, plan=plan, site="t/g:o", block_sizes=small, interpret=True, emulate=emulate)
+    (c, counts), (c_ref, counts_ref) = run(False), run(True)
+    assert counts.tolist() == counts_ref.tolist() == [1, 1, 0, 0], (counts, counts_ref)
+    np.testing.assert_allclose(np.asarray(c, np.float32), np.asarray(c_ref, np.float32),
+                               rtol=2**-7, atol=2**-5)
+    print("interpret ok")
+    """
+)
+
+
+@pytest.mark.slow
+def test_kernel_in_gpu_interpret_mode_matches_the_emulation():
+    """The kernel itself, interpreted on the CPU (Mosaic GPU interpret mode): values and
+    counters equal the emulation's with an INF injected into the accumulator.
+
+    Run in a subprocess with a time limit: jax 0.10.2's GPU interpreter can deadlock on a
+    loaded CPU (a barrier wait that never returns); that is reported as an expected failure,
+    never as a pass.
+    """
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _INTERPRET_SCRIPT], capture_output=True, text=True, timeout=150
+        )
+    except subprocess.TimeoutExpired:
+        pytest.xfail("the GPU interpreter did not finish in 150 s (known interpreter deadlock)")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "interpret ok" in done.stdout
+
+
+def test_gpu_bench_script_says_no_gpu_and_exits_0():
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_gpu_kernels.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "no GPU found" in done.stdout
+
+
+def test_gpu_bench_times_cases_interleaved():
+    """The timing harness of the GPU bench on tiny CPU cases: a row per variant, the baseline's
+    ratio 1, and the table prints."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_gpu_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu_kernels", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    x = jnp.ones((64, 64))
+    case = bench.Case(
+        name="tiny",
+        baseline="dot",
+        variants={"dot": lambda: jnp.dot(x, x), "twice": lambda: jnp.dot(jnp.dot(x, x), x)},
+        flops=2.0 * 64**3,
+    )
+    rows = bench.run_cases([case], rounds=3, inner=2, device="cpu", start=time.perf_counter())
+    assert [r["variant"] for r in rows] == ["dot", "twice"]
+    assert rows[0]["ratio"] == 1.0 and rows[1]["ms"] > 0
+    bench.print_table(rows, "cpu")

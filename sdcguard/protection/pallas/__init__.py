@@ -1,10 +1,10 @@
-"""GPU kernels for ABFT (Pallas, lowered through Triton), each beside its pure-jnp reference.
+"""GPU kernels for ABFT, each beside its pure-jnp reference.
 
-- :mod:`~sdcguard.protection.pallas.verify`: :func:`verify_and_correct` checks a GEMM computed
-  elsewhere.
-- :mod:`~sdcguard.protection.pallas.matmul`: :func:`checked_matmul` computes, encodes, verifies and
-  corrects
-  in one tiled pass.
+- :mod:`~sdcguard.protection.pallas.matmul`: :func:`checked_matmul` and
+  :func:`checked_contraction`, the GEMM checked tile by tile inside one Hopper kernel
+  (:mod:`~sdcguard.protection.pallas.mgpu_matmul`, Pallas on Mosaic GPU), with the exact
+  recomputation of located elements and the counters after it
+  (:mod:`~sdcguard.protection.pallas.verify`).
 - :mod:`sdcguard.protection.pallas.flash`: :func:`flash_attention` with checksums verified
   inside the fused forward and backward kernels.
 
@@ -16,26 +16,18 @@ slow, for testing. :func:`interpret_mode` overrides that choice for the code tra
 from sdcguard.protection.pallas._common import interpret_mode
 from sdcguard.protection.pallas.flash import attention_reference, flash_attention
 from sdcguard.protection.pallas.matmul import (
+    BlockSizes,
     checked_contraction,
     checked_matmul,
     checked_matmul_reference,
 )
-from sdcguard.protection.pallas.verify import (
-    check_contraction,
-    encode,
-    verify_and_correct,
-    verify_and_correct_reference,
-)
 
 __all__ = [
+    "BlockSizes",
     "attention_reference",
-    "check_contraction",
     "checked_contraction",
     "checked_matmul",
     "checked_matmul_reference",
-    "encode",
     "flash_attention",
     "interpret_mode",
-    "verify_and_correct",
-    "verify_and_correct_reference",
 ]

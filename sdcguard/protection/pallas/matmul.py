@@ -1,213 +1,132 @@
-"""``checked_matmul``: a tiled batched GEMM that encodes, verifies and corrects in one pass.
+"""``checked_matmul``: the GEMM checked tile by tile inside one Hopper kernel, and its host side.
 
-Each program computes one ``[block_m, block_n]`` tile of ``C = A·B`` and, while it streams the
-``K`` panels through the MMA, also accumulates the tile's share of the reference checksums from
-the *inputs* (``(eᵀA)B`` for its columns, ``A(Be)`` for its rows, and the ``|A||B|`` bounds),
-plus the row and column sums of the tile it writes (after faults of a :class:`FaultPlan` are
-injected, exactly where a faulty MMA would have put them). Partial sums of every tile go out
-as ``[batch, tiles, M]`` / ``[batch, tiles, N]`` vectors, so the comparison is over
-``[batch, M + N]`` numbers and ``C`` is never re-read on the clean path.
+:func:`checked_matmul` runs :mod:`sdcguard.protection.pallas.mgpu_matmul`'s kernel for bf16 and
+fp16 operands: every ``[tile_m, tile_n]`` tile of ``C`` is checked on its float32 accumulator
+before it is rounded and stored, and a single error per row of a tile is located and rebuilt
+in registers. Around the kernel, XLA does three small things:
 
-The flags are whole-matrix rows and columns with the tolerance of
-:func:`sdcguard.protection.checksums.roundoff_gamma`, and the fault path is the locate/apply passes
-of :mod:`sdcguard.protection.pallas.verify` (under ``lax.cond``), so detections, corrections and
-counters are those of :func:`sdcguard.protection.checksums.check_contraction`.
-:func:`checked_matmul_reference` is that XLA path (einsum,
-:func:`sdcguard.fault_model.inject.apply`, check) on the same layout.
+* before: the checksum operand ``Bc`` (one pass over ``B``: eight columns per tile of ``B``)
+  and the per-row thresholds (one pass over ``A``: its row norms, which XLA can fuse into
+  ``A``'s producer);
+* after: every element the kernel located is **recomputed** from its row of ``A`` and column
+  of ``B`` (float32 products, summed in float32) and written over the rebuilt value, so a
+  corrected element equals the clean one to the GEMM's own rounding. At most
+  ``max_recomputed`` elements per call are recomputed, with a fixed-size gather and scatter
+  and no data-dependent control flow; a tile with a located element beyond that is counted
+  uncorrectable;
+* the counters, summed over tiles: int32 ``[detected, corrected, uncorrectable,
+  nonfinite_input]`` as :func:`sdcguard.protection.config.count_outcomes` defines them. A tile
+  is *detected* when any of its rows is flagged, *nonfinite_input* when a flagged row's
+  checksum, computed from the inputs alone, is not finite (or a recomputed element is: the
+  inputs define a non-finite value there; it is left as they define it), *corrected* when
+  every flagged row was located, rebuilt and recomputed.
+
+float32 operands (and mixed dtypes) take the XLA path (``einsum``,
+:func:`sdcguard.fault_model.inject.apply`,
+:func:`sdcguard.protection.checksums.check_contraction`): Hopper's float32 WGMMA rounds its
+inputs to TF32, and the XLA path already checks float32 GEMMs.
+
+:func:`checked_matmul_reference` is the pure-jnp reference (``einsum`` and
+:func:`sdcguard.protection.checksums.check_contraction`).
+
+Off a GPU the kernel runs in Mosaic GPU's interpret mode (``interpret=None`` picks it): slow,
+for tests.
 
 Example:
-  >>> c, counts = checked_matmul(a, b, interpret=True)   # a: [B, M, K], b: [B, K, N]
+  >>> c, counts = checked_matmul(a, b)   # a: [B, M, K], b: [B, K, N], bf16
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
+import contextlib
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+import numpy as np
 
 from sdcguard.fault_model import inject
 from sdcguard.protection.checksums import Contraction, check_contraction
 from sdcguard.protection.config import ABFTConfig, zero_counts
-from sdcguard.protection.pallas import verify
-from sdcguard.protection.pallas._common import (
-    cdiv,
-    check_block,
-    fault_table,
-    inject_tile,
-    resolve_interpret,
-)
+from sdcguard.protection.pallas import mgpu_matmul, verify
+from sdcguard.protection.pallas._common import cdiv, resolve_interpret, site_fault_index
+from sdcguard.protection.pallas.mgpu_matmul import SUPPORTED_DTYPES, BlockSizes
+
+CANONICAL = Contraction("bmk", "bkn", "bmn")
+DEFAULT_BLOCK_SIZES = BlockSizes()
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BlockSizes:
-    """Tiles of the checked GEMM.
-
-    Attributes:
-      block_m, block_n: output tile per program (powers of two >= 16).
-      block_k: contraction panel per MMA step (power of two >= 16).
-      num_warps, num_stages: Triton launch settings.
-      verify: tiles of the verification passes (used only on the fault path).
-    """
-
-    block_m: int = 64
-    block_n: int = 64
-    block_k: int = 32
-    num_warps: int = 4
-    num_stages: int = 3
-    verify: verify.BlockSizes = dataclasses.field(default_factory=verify.BlockSizes)
-
-    def __post_init__(self):
-        check_block("block_m", self.block_m)
-        check_block("block_n", self.block_n)
-        check_block("block_k", self.block_k)
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+def uses_kernel(a_dtype, b_dtype) -> bool:
+    """Whether operands of these dtypes run through the Hopper kernel (else the XLA path)."""
+    return jnp.dtype(a_dtype) == jnp.dtype(b_dtype) and jnp.dtype(a_dtype) in SUPPORTED_DTYPES
 
 
-def _matmul_kernel(
-    a_ref,
-    b_ref,
-    *rest,
-    m: int,
-    n: int,
-    k: int,
-    bm: int,
-    bn: int,
-    bk: int,
-    precision,
-    check: bool,
-    num_faults: int,
-):
-    """One output tile: the MMA loop over K, with the checksum encoding riding along.
+def _num_sms(interpret: bool, tiles: int) -> int:
+    if interpret:
+        # One program per CTA tile: the GPU interpreter of jax 0.10 can deadlock when one
+        # program loops over several tiles whose pipelines use barriers (seen on a loaded
+        # 2-core CPU), so interpret mode does not exercise the persistent loop.
+        return tiles
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is not None:  # lowering for a named GPU from elsewhere
+        return int(abstract.num_cores)
+    return int(jax.devices()[0].core_count)
 
-    With ``check``, the first two refs after ``a_ref, b_ref`` hold this matrix's row and column
-    scales (:func:`sdcguard.protection.pallas.verify.line_scales`, one element each): the
-    checksums are accumulated in those scaled units, so they stay normal float32 numbers for
-    operands anywhere in the finite range.
-    """
-    if check:
-        (row_scale_ref, col_scale_ref), rest = rest[:2], rest[2:]
-    fault_refs = rest[:2] if num_faults else None
-    out_refs = rest[2:] if num_faults else rest
-    c_ref = out_refs[0]
-    batch_id = pl.program_id(0)
-    rows = pl.program_id(1) * bm + jnp.arange(bm, dtype=jnp.int32)
-    cols = pl.program_id(2) * bn + jnp.arange(bn, dtype=jnp.int32)
-    rv, cv = rows < m, cols < n
-    f32 = jnp.float32
-    if check:
-        row_scale, col_scale = row_scale_ref[0], col_scale_ref[0]
 
-    def body(step, carry):
-        acc, row_ref, row_bnd, col_ref, col_bnd = carry
-        ks = step * bk + jnp.arange(bk, dtype=jnp.int32)
-        kv = ks < k
-        # Out-of-range rows, columns and K lanes load as zeros, so they add nothing to C or to
-        # any checksum.
-        a = plgpu.load(a_ref.at[:, pl.ds(step * bk, bk)], mask=rv[:, None] & kv[None, :], other=0)
-        b = plgpu.load(b_ref.at[pl.ds(step * bk, bk), :], mask=kv[:, None] & cv[None, :], other=0)
-        acc = acc + jnp.dot(a, b, precision=precision, preferred_element_type=f32)
-        if check:
-            a32, b32 = a.astype(f32), b.astype(f32)
-            a_abs, b_abs = jnp.abs(a32), jnp.abs(b32)
-            # This tile's share of A(Be) and (eᵀA)B: vector-matrix products, O(1/n) of the MMA.
-            b_rowsum = jnp.sum(b32, axis=1) * row_scale
-            b_abs_rowsum = jnp.sum(b_abs, axis=1) * row_scale
-            a_colsum = jnp.sum(a32, axis=0) * col_scale
-            a_abs_colsum = jnp.sum(a_abs, axis=0) * col_scale
-            row_ref = row_ref + jnp.sum(a32 * b_rowsum[None, :], axis=1)
-            row_bnd = row_bnd + jnp.sum(a_abs * b_abs_rowsum[None, :], axis=1)
-            col_ref = col_ref + jnp.sum(a_colsum[:, None] * b32, axis=0)
-            col_bnd = col_bnd + jnp.sum(a_abs_colsum[:, None] * b_abs, axis=0)
-        return acc, row_ref, row_bnd, col_ref, col_bnd
-
-    init = (
-        jnp.zeros((bm, bn), f32),
-        jnp.zeros((bm,), f32),
-        jnp.zeros((bm,), f32),
-        jnp.zeros((bn,), f32),
-        jnp.zeros((bn,), f32),
+@contextlib.contextmanager
+def _interpreting(interpret: bool):
+    if not interpret:
+        yield
+        return
+    from jax._src.pallas.mosaic_gpu.interpret.params import (
+        InterpretGPUParams,
+        force_gpu_interpret_mode,
     )
-    acc, row_ref, row_bnd, col_ref, col_bnd = jax.lax.fori_loop(0, cdiv(k, bk), body, init)
-    c = acc.astype(c_ref.dtype)  # C is rounded once on the way out, as by any GEMM
-    if num_faults:
-        c = inject_tile(c, fault_refs, num_faults, c0=batch_id, c1=0, rows=rows, cols=cols)
-    plgpu.store(c_ref, c, mask=rv[:, None] & cv[None, :])
-    if check:
-        rsum_ref, rref_ref, rbnd_ref, csum_ref, cref_ref, cbnd_ref = out_refs[1:]
-        c32 = jnp.where(rv[:, None] & cv[None, :], c.astype(f32), 0.0)
-        # Scaled before summing, like the checksums: a line of large finite values can
-        # overflow its unscaled sum.
-        plgpu.store(rsum_ref, jnp.sum(c32 * row_scale, axis=1), mask=rv)
-        plgpu.store(rref_ref, row_ref, mask=rv)
-        plgpu.store(rbnd_ref, row_bnd, mask=rv)
-        plgpu.store(csum_ref, jnp.sum(c32 * col_scale, axis=0), mask=cv)
-        plgpu.store(cref_ref, col_ref, mask=cv)
-        plgpu.store(cbnd_ref, col_bnd, mask=cv)
+
+    with force_gpu_interpret_mode(InterpretGPUParams()):
+        yield
 
 
-def _gemm_call(a, b, scales, table, *, out_dtype, precision, check, block_sizes, interpret):
-    batch, m, k = a.shape
-    n = b.shape[2]
-    bm, bn, bk = block_sizes.block_m, block_sizes.block_n, block_sizes.block_k
-    grid = (batch, cdiv(m, bm), cdiv(n, bn))
-    kpad = cdiv(k, bk) * bk
-    in_specs = [
-        # Whole K panels; the kernel steps through them with masked loads.
-        pl.BlockSpec((None, bm, kpad), lambda bb, i, j: (bb, i, 0)),
-        pl.BlockSpec((None, kpad, bn), lambda bb, i, j: (bb, 0, j)),
-    ]
-    operands = [a, b]
-    if check:
-        # One element of each [batch] scale vector per program: its matrix's.
-        in_specs += [verify.scale_spec()] * 2
-        operands += list(scales)
-    num_faults = 0
-    if table is not None:
-        in_specs += [
-            pl.BlockSpec(table.ints.shape, lambda *_: (0,)),
-            pl.BlockSpec(table.values.shape, lambda *_: (0,)),
-        ]
-        operands += [table.ints, table.values]
-        num_faults = table.count
-    out_specs = [pl.BlockSpec((None, bm, bn), lambda bb, i, j: (bb, i, j))]
-    out_shape = [jax.ShapeDtypeStruct((batch, m, n), out_dtype)]
-    if check:
-        row_part = pl.BlockSpec((None, None, bm), lambda bb, i, j: (bb, j, i))
-        col_part = pl.BlockSpec((None, None, bn), lambda bb, i, j: (bb, i, j))
-        out_specs += [row_part] * 3 + [col_part] * 3
-        out_shape += [jax.ShapeDtypeStruct((batch, grid[2], m), jnp.float32)] * 3
-        out_shape += [jax.ShapeDtypeStruct((batch, grid[1], n), jnp.float32)] * 3
-    kernel = functools.partial(
-        _matmul_kernel,
-        m=m,
-        n=n,
-        k=k,
-        bm=bm,
-        bn=bn,
-        bk=bk,
-        precision=precision,
-        check=check,
-        num_faults=num_faults,
+class FaultCoords(tuple):
+    """``(hit bool[F], batch[F], row[F], col[F], kind[F], bit[F], value f32[F])``: the faults of
+    one site in the kernel's ``[batch, M, N]`` coordinates."""
+
+
+def matrix_faults(plan: inject.FaultPlan | None, site: str, shape) -> FaultCoords | None:
+    """The faults of ``site`` for a ``[batch, M, N]`` output (flat index row-major in it)."""
+    return _faults_in_layout(plan, site, shape, lambda idx: idx)
+
+
+def _faults_in_layout(plan, site, shape, to_bmn) -> FaultCoords | None:
+    if plan is None or plan.num_faults == 0:
+        return None
+    size = int(np.prod(shape, dtype=np.int64))
+    hits, flat = site_fault_index(plan, site, size)
+    fb, fm, fn = to_bmn(jnp.unravel_index(flat, shape))
+    return FaultCoords(
+        (
+            hits,
+            fb.astype(jnp.int32),
+            fm.astype(jnp.int32),
+            fn.astype(jnp.int32),
+            jnp.asarray(plan.kind),
+            jnp.asarray(plan.bit),
+            jnp.asarray(plan.value, jnp.float32),
+        )
     )
-    return pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(
-            num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
-        ),
-        name="checked_matmul" if check else "matmul",
-    )(*operands)
+
+
+def _injected_values(a, b, faults: FaultCoords, out_dtype):
+    """The value each fault leaves in the accumulator: its corruption of the clean element
+    (recomputed here, rounded to the output dtype as the XLA path's ``inject.apply`` sees it)."""
+    hit, fb, fm, fn, kind, bit, value = faults
+    clean = verify.recompute_elements(a, b, fb, fm, fn).astype(out_dtype)
+    corrupted = inject.corrupt(clean, kind, bit, value)
+    return hit, fb, fm, fn, corrupted.astype(jnp.float32)
+
+
+def _pad_to(x, shape):
+    pads = [(0, t - s) for s, t in zip(x.shape, shape, strict=True)]
+    return jnp.pad(x, pads) if any(p for _, p in pads) else x
 
 
 def checked_matmul(
@@ -220,71 +139,172 @@ def checked_matmul(
     near_inf: float = ABFTConfig().near_inf,
     precision=None,
     out_dtype=None,
-    faults=None,
-    block_sizes: BlockSizes = BlockSizes(),
+    plan: inject.FaultPlan | None = None,
+    site: str = "pallas:gemm",
+    faults: FaultCoords | None = None,
+    max_recomputed: int = 16,
+    block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
     interpret: bool | None = None,
+    emulate: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """``a @ b`` (batched), verified by checksums computed in the same pass; errors corrected.
+    """``a @ b`` with every output tile checked inside the GEMM kernel; errors corrected.
 
     Args:
-      a: ``[batch, M, K]``; b: ``[batch, K, N]``; same float dtype.
-      check: verify (False gives the plain tiled GEMM, for comparison).
+      a: ``[batch, M, K]`` or ``[M, K]``; b: ``[batch, K, N]`` or ``[K, N]``; bf16 or fp16 for
+        the kernel (float32 or mixed dtypes take the XLA path).
+      check: verify (False gives the plain kernel, for comparison).
       correct: repair located errors (else detections count as uncorrectable).
       safety: multiplier on the round-off bound; near_inf: magnitude located directly.
-      precision: MMA precision (``None``: TF32 for float32 on GPU, accounted for in the bound).
-      out_dtype: dtype of ``C`` (default: that of the inputs).
-      faults: a :class:`sdcguard.protection.pallas._common.FaultTable` with coordinates
-        ``(batch, 0, row, col)``, injected into the tile as it leaves the MMA (see
-        :func:`checked_contraction`, which builds it from a ``FaultPlan``).
+      precision: MMA precision (used by the XLA path; bf16/fp16 WGMMAs are exact products).
+      out_dtype: dtype of ``C`` (default: the operands').
+      plan, site: faults of ``plan`` addressed to ``site`` (flat index row-major in ``C``'s
+        ``[batch, M, N]``) are injected into the accumulator tile.
+      faults: the same, already resolved (:func:`matrix_faults`); overrides ``plan``.
+      max_recomputed: how many located elements per call are recomputed exactly.
       block_sizes: tiles.
-      interpret: interpret mode (default: when not on a GPU).
+      interpret: Mosaic GPU interpret mode (default: when the backend is not a GPU).
+      emulate: run :func:`sdcguard.protection.pallas.mgpu_matmul.reference_kernel` instead of
+        the kernel: the kernel's per-tile check as plain jnp on an XLA product (fast on a
+        CPU; the tests compare the kernel with it).
 
     Returns:
-      ``(c, counts)``: ``c [batch, M, N]`` and int32 ``[detected, corrected, uncorrectable,
-      nonfinite_input]``.
+      ``(c, counts)``: ``c [batch, M, N]`` (``[M, N]`` for 2-D operands) and int32
+      ``[detected, corrected, uncorrectable, nonfinite_input]`` summed over tiles.
     """
+    squeeze = a.ndim == 2 and b.ndim == 2
+    if squeeze:
+        a, b = a[None], b[None]
     if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
-        raise ValueError(f"checked_matmul wants [B, M, K] x [B, K, N], got {a.shape}, {b.shape}")
-    if a.dtype != b.dtype:
-        raise ValueError(f"operands must share a dtype, got {a.dtype} and {b.dtype}")
-    interpret = resolve_interpret(interpret)
-    out_dtype = jnp.dtype(out_dtype or a.dtype)
-    row_scale, col_scale = verify.line_scales(a, b) if check else (None, None)
-    outs = _gemm_call(
-        a,
-        b,
-        (row_scale, col_scale),
-        faults,
-        out_dtype=out_dtype,
-        precision=precision,
-        check=check,
-        block_sizes=block_sizes,
-        interpret=interpret,
-    )
+        raise ValueError(
+            f"checked_matmul wants [B, M, K] x [B, K, N] (or [M, K] x [K, N]), got "
+            f"{a.shape}, {b.shape}"
+        )
+    out_dtype = jnp.dtype(out_dtype or jnp.result_type(a.dtype, b.dtype))
+    if faults is None:
+        faults = matrix_faults(plan, site, (a.shape[0], a.shape[1], b.shape[2]))
+    if uses_kernel(a.dtype, b.dtype):
+        c, counts = _kernel_path(
+            a,
+            b,
+            check=check,
+            correct=correct,
+            safety=safety,
+            near_inf=near_inf,
+            out_dtype=out_dtype,
+            faults=faults,
+            max_recomputed=max_recomputed,
+            block_sizes=block_sizes,
+            interpret=resolve_interpret(interpret),
+            emulate=emulate,
+        )
+    else:
+        c, counts = _xla_path(
+            a,
+            b,
+            check=check,
+            config=ABFTConfig(correct=correct, safety=safety, near_inf=near_inf),
+            precision=precision,
+            out_dtype=out_dtype,
+            faults=faults,
+        )
+    return (c[0] if squeeze else c), counts
+
+
+def _xla_path(a, b, *, check, config, precision, out_dtype, faults):
+    """float32 and mixed operands: einsum, inject, ``check_contraction`` (the XLA path)."""
+    c = jnp.einsum("bmk,bkn->bmn", a, b, precision=precision, preferred_element_type=out_dtype)
+    if faults is not None:
+        hit, fb, fm, fn, kind, bit, value = faults
+        for f in range(hit.shape[0]):
+            old = c[fb[f], fm[f], fn[f]]
+            new = jnp.where(hit[f], inject.corrupt(old, kind[f], bit[f], value[f]), old)
+            c = c.at[fb[f], fm[f], fn[f]].set(new)
     if not check:
-        return outs[0], zero_counts()
-    c, rsum, rref, rbnd, csum, cref, cbnd = outs
-    sums = verify.Checksums(
-        col=jnp.sum(cref, axis=1),
-        col_bound=jnp.sum(cbnd, axis=1),
-        row=jnp.sum(rref, axis=1),
-        row_bound=jnp.sum(rbnd, axis=1),
-        row_scale=row_scale,
-        col_scale=col_scale,
+        return c, zero_counts()
+    return check_contraction(c, a, b, CANONICAL, config=config, precision=precision)
+
+
+def _kernel_path(
+    a,
+    b,
+    *,
+    check,
+    correct,
+    safety,
+    near_inf,
+    out_dtype,
+    faults,
+    max_recomputed,
+    block_sizes,
+    interpret,
+    emulate,
+):
+    bs = block_sizes
+    batch, m, k = a.shape
+    n = b.shape[2]
+    mp, np_, kp = (
+        cdiv(m, bs.cta_m) * bs.cta_m,
+        cdiv(n, bs.tile_n) * bs.tile_n,
+        cdiv(k, bs.tile_k) * bs.tile_k,
     )
-    return verify.verify_and_correct(
-        c,
-        a,
-        b,
-        checksums=sums,
-        line_sums_of_c=(jnp.sum(rsum, axis=1), jnp.sum(csum, axis=1)),
-        correct=correct,
-        safety=safety,
-        near_inf=near_inf,
-        precision=precision,
-        block_sizes=block_sizes.verify,
-        interpret=interpret,
+    # Zero padding adds exact zeros to every sum; the padded part of C is cut off after.
+    a_p = _pad_to(a, (batch, mp, kp))
+    b_p = _pad_to(b, (batch, kp, np_))
+    bc = params = None
+    num_faults = 0
+    if check:
+        bc, scales, magnitudes = mgpu_matmul.checksum_columns(
+            b_p, tile_n=bs.tile_n, transposed=not (interpret or emulate)
+        )
+        injected = None
+        if faults is not None:
+            injected = _injected_values(a, b, faults, out_dtype)
+            num_faults = int(injected[0].shape[0])
+        params = mgpu_matmul.tile_parameters(
+            a_p,
+            scales,
+            magnitudes,
+            contraction=k,
+            tile_n=bs.tile_n,
+            safety=safety,
+            faults=injected,
+        )
+    if emulate and check:
+        c, status = mgpu_matmul.reference_kernel(
+            a_p,
+            b_p,
+            bc,
+            params,
+            out_dtype=out_dtype,
+            block_sizes=bs,
+            correct=correct,
+            near_inf=float(near_inf),
+            num_faults=num_faults,
+        )
+    elif emulate:
+        c, status = jnp.einsum("bmk,bkn->bmn", a_p, b_p, preferred_element_type=out_dtype), None
+    else:
+        with _interpreting(interpret):
+            c, status = mgpu_matmul.call_kernel(
+                a_p,
+                b_p,
+                bc,
+                params,
+                out_dtype=out_dtype,
+                block_sizes=bs,
+                check=check,
+                correct=correct,
+                near_inf=float(near_inf),
+                num_faults=num_faults,
+                num_sms=_num_sms(interpret, batch * (mp // bs.cta_m) * (np_ // bs.tile_n)),
+                interpret=interpret,
+            )
+    if not check:
+        return c[:, :m, :n], zero_counts()
+    c, counts = verify.recompute_and_count(
+        a, b, c, status, max_recomputed=max_recomputed, tile_m=bs.tile_m, tile_n=bs.tile_n
     )
+    return c[:, :m, :n], counts
 
 
 def checked_matmul_reference(
@@ -297,24 +317,67 @@ def checked_matmul_reference(
     precision=None,
     out_dtype=None,
     plan: inject.FaultPlan | None = None,
-    site: str = "reference:gemm",
+    site: str = "pallas:gemm",
 ) -> tuple[jax.Array, jax.Array]:
-    """Pure-jnp reference of :func:`checked_matmul`: einsum, inject, ``check_contraction``."""
+    """Pure-jnp reference of :func:`checked_matmul`: einsum, inject, ``check_contraction``.
+
+    Its counters are per matrix (the XLA path's unit), the kernel's per tile: they agree for
+    faults in one tile of each matrix.
+    """
+    squeeze = a.ndim == 2 and b.ndim == 2
+    if squeeze:
+        a, b = a[None], b[None]
     config = ABFTConfig(correct=correct, safety=safety, near_inf=near_inf)
     c = jnp.einsum(
-        "bmk,bkn->bmn", a, b, precision=precision, preferred_element_type=out_dtype or a.dtype
+        "bmk,bkn->bmn",
+        a,
+        b,
+        precision=precision,
+        preferred_element_type=out_dtype or jnp.result_type(a.dtype, b.dtype),
     )
     c = inject.apply(c, plan, site)
-    return check_contraction(c, a, b, verify.CANONICAL, config=config, precision=precision)
+    c, counts = check_contraction(c, a, b, CANONICAL, config=config, precision=precision)
+    return (c[0] if squeeze else c), counts
 
 
-def contraction_faults(plan, site: str, a, b, contraction: Contraction):
-    """The fault table of ``site`` mapped from the einsum output layout to ``(batch, m, n)``."""
+# --- Any pure contraction ---------------------------------------------------------------------
+
+
+def canonical_operands(a, b, contraction: Contraction):
+    """``a -> [batch, M, K]``, ``b -> [batch, K, N]`` for any pure contraction (transposes)."""
     ct = contraction
-    dims = verify.contraction_dims(a, b, ct)
+    return (
+        _canonical(a, ct.lhs, (ct.batch, ct.lhs_free, ct.contracted)),
+        _canonical(b, ct.rhs, (ct.batch, ct.contracted, ct.rhs_free)),
+    )
+
+
+def _canonical(x, term: str, groups: tuple[str, ...]):
+    order = "".join(groups)
+    y = jnp.transpose(x, tuple(term.index(ch) for ch in order))
+    sizes = [int(np.prod([x.shape[term.index(ch)] for ch in g], dtype=np.int64)) for g in groups]
+    return y.reshape(sizes)
+
+
+def _uncanonical(y, term: str, groups: tuple[str, ...], dims: dict):
+    order = "".join(groups)
+    y = y.reshape([dims[ch] for ch in order])
+    return jnp.transpose(y, tuple(order.index(ch) for ch in term))
+
+
+def contraction_dims(a, b, contraction: Contraction) -> dict:
+    """Size of every einsum letter of the contraction."""
+    ct = contraction
+    return {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
+
+
+def contraction_faults(plan, site: str, a, b, contraction: Contraction) -> FaultCoords | None:
+    """The faults of ``site`` mapped from the einsum's output layout to ``(batch, m, n)``."""
+    ct = contraction
+    dims = contraction_dims(a, b, ct)
     shape = tuple(dims[ch] for ch in ct.out)
 
-    def to_coords(idx):
+    def to_bmn(idx):
         at = dict(zip(ct.out, idx, strict=True))
 
         def flat(letters):
@@ -324,9 +387,9 @@ def contraction_faults(plan, site: str, a, b, contraction: Contraction):
                 tuple(at[ch] for ch in letters), tuple(dims[ch] for ch in letters), mode="clip"
             )
 
-        return flat(ct.batch), jnp.zeros_like(idx[0]), flat(ct.lhs_free), flat(ct.rhs_free)
+        return flat(ct.batch), flat(ct.lhs_free), flat(ct.rhs_free)
 
-    return fault_table(plan, site, shape, to_coords)
+    return _faults_in_layout(plan, site, shape, to_bmn)
 
 
 def checked_contraction(
@@ -340,21 +403,20 @@ def checked_contraction(
     check: bool = True,
     precision=None,
     preferred_element_type=None,
-    block_sizes: BlockSizes = BlockSizes(),
+    block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
     interpret: bool | None = None,
+    emulate: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Einsum + injection + check for any pure contraction, on :func:`checked_matmul`.
 
     The Pallas counterpart of the XLA path's ``einsum -> inject.apply -> check_contraction``:
-    same arguments and the same ``(c, counts)``; faults of ``plan`` addressed to ``site`` are
-    injected inside the kernel at the element the XLA path would corrupt.
+    same arguments and the same ``(c, counts)`` (counted per tile of the kernel); faults of
+    ``plan`` addressed to ``site`` are injected inside the kernel at the element the XLA path
+    would corrupt.
     """
     ct = contraction
     groups = (ct.batch, ct.lhs_free, ct.rhs_free)
-    a3, b3 = verify.canonical_operands(a, b, ct)
-    dtype = jnp.result_type(a.dtype, b.dtype)
-    a3, b3 = a3.astype(dtype), b3.astype(dtype)
-    table = contraction_faults(plan, site, a, b, ct)
+    a3, b3 = canonical_operands(a, b, ct)
     c3, counts = checked_matmul(
         a3,
         b3,
@@ -363,13 +425,13 @@ def checked_contraction(
         safety=config.safety,
         near_inf=config.near_inf,
         precision=precision,
-        out_dtype=preferred_element_type or dtype,
-        faults=table,
+        out_dtype=preferred_element_type or jnp.result_type(a.dtype, b.dtype),
+        faults=contraction_faults(plan, site, a, b, ct),
         block_sizes=block_sizes,
         interpret=interpret,
+        emulate=emulate,
     )
-    c = verify._uncanonical(c3, ct.out, groups, verify.contraction_dims(a, b, ct))
-    return c, counts
+    return _uncanonical(c3, ct.out, groups, contraction_dims(a, b, ct)), counts
 
 
 __all__ = [
@@ -377,4 +439,5 @@ __all__ = [
     "checked_contraction",
     "checked_matmul",
     "checked_matmul_reference",
+    "uses_kernel",
 ]
