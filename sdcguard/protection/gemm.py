@@ -73,7 +73,9 @@ def implementation_for(config: ABFTConfig, a, b) -> str:
     ``'pallas'`` is what the config asks for, or an error naming why it cannot run (operands
     sharded across devices by ``jit``: the kernels run on one device's blocks, inside
     ``shard_map``). ``'auto'`` is the XLA path: the Pallas kernels have no GPU timing yet that
-    shows them faster (``scripts/bench_gpu_kernels.py``), and off a GPU they only interpret.
+    shows them faster (``scripts/bench_gpu_kernels.py``). Off a GPU, ``'pallas'`` runs the
+    kernel's tile check emulated in jnp; fp32 and mixed-dtype GEMMs take the XLA path inside it
+    (Hopper's fp32 WGMMA rounds to TF32).
     """
     if config.implementation != "pallas":
         return "xla"
@@ -129,9 +131,9 @@ def checked_gemm(
     if site_axes is None:
         site_axes = tuple(range(len(contraction.out)))
     if check and implementation_for(config, a, b) == "pallas" and mesh is None:
-        from sdcguard.protection.pallas import matmul  # Pallas is a heavy import
+        from sdcguard.protection import pallas  # Pallas is a heavy import
 
-        return matmul.checked_contraction(
+        return pallas.matmul.checked_contraction(
             a,
             b,
             contraction,
@@ -141,6 +143,10 @@ def checked_gemm(
             check=check,
             precision=precision,
             preferred_element_type=preferred_element_type,
+            # Off a GPU the kernel's own tile check runs as jnp: jax 0.10's GPU interpreter
+            # deadlocks intermittently on the warp-specialised kernel (pallas.interpret_mode
+            # (False) still lowers the kernel itself, for CUDA).
+            emulate=pallas.resolve_interpret(None),
         )
     a, b = as_stored(a), as_stored(b)
 

@@ -13,7 +13,7 @@ slow, for testing. :func:`interpret_mode` overrides that choice for the code tra
 (e.g. ``interpret_mode(False)`` to lower for CUDA from a machine without a GPU).
 """
 
-from sdcguard.protection.pallas._common import interpret_mode
+from sdcguard.protection.pallas._common import interpret_mode, resolve_interpret
 from sdcguard.protection.pallas.flash import attention_reference, flash_attention
 from sdcguard.protection.pallas.matmul import (
     BlockSizes,
@@ -30,4 +30,5 @@ __all__ = [
     "checked_matmul_reference",
     "flash_attention",
     "interpret_mode",
+    "resolve_interpret",
 ]
