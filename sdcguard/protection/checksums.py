@@ -534,31 +534,27 @@ def _gather_lines(x: jax.Array, letters: str, at: dict[str, jax.Array], kept: st
 class RowCheck(NamedTuple):
     """The row side of a contraction's check, one entry per row of ``C`` (letters: the output's
     without the rhs-free ones), float32 in the checksums' scaled units (see
-    :class:`LineChecksums`).
-
-    Non-finite elements (and elements so large that their weighted sum could overflow) are
-    *extreme*: they are counted and located directly, and left out of the sums, so one INF
-    does not hide where it is.
-    """
+    :class:`LineChecksums`)."""
 
     ref: jax.Array  # A(Be)·scale: the row sums the inputs define
-    weighted_ref: jax.Array  # A(B·w)·scale, w = 1..N along the row: locates a single error
-    ordinary_sum: jax.Array  # Σ c·scale over the row's non-extreme elements
-    weighted_sum: jax.Array  # Σ w·c·scale over the same elements
-    abs_sum: jax.Array  # Σ |c|·scale over the same elements (rounding of a low-precision C)
-    extremes: jax.Array  # int32: how many extreme elements the row holds
-    extreme_at: jax.Array  # int32: Σ of their flat column indices (the index when there is one)
-    threshold: jax.Array  # the round-off bound of |ordinary_sum - ref| on a clean row
+    weighted_ref: jax.Array | None  # A(B·w)·scale, w = 1..N along the row (to locate), or None
+    row_sum: jax.Array  # Σ c·scale
+    weighted_sum: jax.Array | None  # Σ w·c·scale, or None
+    threshold: jax.Array  # the round-off bound of |row_sum - ref| on a clean row
+    base_threshold: jax.Array  # the same without the rounding of a low-precision C (its Σ|c|)
     magnitude: jax.Array  # the row's Σ|A||B| bound (before γ): see _element_bound
     scale: jax.Array  # the power of two per matrix (letters: the batch letters)
 
 
-def _row_check(c, a, b, ct: Contraction, *, safety, precision, lhs_nonnegative) -> RowCheck:
+def _row_check(
+    c, a, b, ct: Contraction, *, safety, precision, lhs_nonnegative, weighted: bool
+) -> RowCheck:
     """Encodes the row checksums of ``c = einsum(a, b)`` and sums C's rows, in one read of C.
 
-    Every reduction over ``C`` below sums the same elementwise function of one element, along
-    the same axes: XLA fuses them into one pass over ``C`` (with ``C``'s producer or consumer
-    where it can), which is the whole cost of detection beyond the narrow products with ``A``.
+    The reductions over ``C`` (its row sums, index-weighted row sums to locate, ``Σ|c|`` for a
+    low-precision C) sum elementwise functions of one element along the same axes: one pass over
+    ``C`` where XLA fuses them, which is the whole cost of the check beyond the narrow products
+    with ``A`` and ``B``. ``weighted=False`` (detection only) leaves the weighted sums out.
     """
     dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
     n_line = math.prod(dims[x] for x in ct.rhs_free)
@@ -566,7 +562,6 @@ def _row_check(c, a, b, ct: Contraction, *, safety, precision, lhs_nonnegative) 
     # The weights 1..N along each row, on B's rhs-free axes for the reference and on C's for C.
     rhs_free_in_b = "".join(x for x in ct.rhs if x in ct.rhs_free)
     in_out_order = _flat_index(tuple(dims[x] for x in ct.rhs_free)) + 1
-    w_on_b = _along(in_out_order, ct.rhs_free, ct.rhs, b.shape)
     refs, magnitude, scale = _contract_with_line_sums(
         a,
         ct.lhs,
@@ -575,57 +570,52 @@ def _row_check(c, a, b, ct: Contraction, *, safety, precision, lhs_nonnegative) 
         ct,
         rhs_free_in_b,
         x_nonnegative=lhs_nonnegative,
-        weights=w_on_b,
+        weights=_along(in_out_order, ct.rhs_free, ct.rhs, b.shape) if weighted else None,
     )
-    ref, weighted_ref = refs[..., 0], refs[..., 1]
+    ref, weighted_ref = (refs[..., 0], refs[..., 1]) if weighted else (refs, None)
     row_term = ct.without(ct.rhs_free)
     summed_axes = axes_of(ct.out, ct.rhs_free)
     c32 = c.astype(jnp.float32) * _along(scale, ct.batch, ct.out, c.shape)  # exact: power of 2
-    w_on_c = _along(in_out_order, ct.rhs_free, ct.out, c.shape).astype(jnp.float32)
-    extreme = ~(
-        jnp.abs(c32) <= _along(_element_bound(magnitude, n_line), row_term, ct.out, c.shape)
+    row_sum = jnp.sum(c32, axis=summed_axes)
+    weighted_sum = None
+    if weighted:
+        w_on_c = _along(in_out_order, ct.rhs_free, ct.out, c.shape).astype(jnp.float32)
+        weighted_sum = jnp.sum(c32 * w_on_c, axis=summed_axes)
+    scale_on_row = _along(scale, ct.batch, row_term, row_sum.shape)
+    base_threshold = _row_threshold(
+        magnitude, scale_on_row, c.dtype, a.dtype, precision, k=k, n_line=n_line, safety=safety
     )
-    ordinary = jnp.where(extreme, 0.0, c32)
-    ordinary_sum = jnp.sum(ordinary, axis=summed_axes)
-    weighted_sum = jnp.sum(ordinary * w_on_c, axis=summed_axes)
-    extremes = jnp.sum(extreme, axis=summed_axes, dtype=jnp.int32)
-    column = (w_on_c - 1).astype(jnp.int32)
-    extreme_at = jnp.sum(jnp.where(extreme, column, 0), axis=summed_axes)
-    # Rounding of the output: a C wider than float32 is summed in float32 (one more rounding of
-    # each element), and each operand wider than float32 is rounded to it for the checksums.
-    wide = max(jnp.dtype(c.dtype).itemsize, jnp.dtype(a.dtype).itemsize) > 4
-    input_unit = input_rounding(a.dtype, precision) + (unit_roundoff(jnp.float32) if wide else 0)
+    threshold = base_threshold
     u_out = unit_roundoff(c.dtype)
-    low_precision_out = u_out > unit_roundoff(jnp.float32)
+    if u_out > unit_roundoff(jnp.float32):
+        # Rounding C to bf16/fp16 moves each element by at most u_out of itself, so the line
+        # moves by at most u_out·Σ|c|: often far below u_out·|A||B|e, which is loose where terms
+        # cancel. A fault cannot hide behind it: it raises Σ|c| by u_out·|Δ|, the deviation by
+        # |Δ|; an INF would make it INF too, so a non-finite Σ|c| adds nothing.
+        rounding = safety * _rounding_of(u_out) * jnp.sum(jnp.abs(c32), axis=summed_axes)
+        threshold = threshold + jnp.where(jnp.isfinite(rounding), rounding, 0.0)
+    return RowCheck(
+        ref, weighted_ref, row_sum, weighted_sum, threshold, base_threshold, magnitude, scale
+    )
+
+
+def _row_threshold(magnitude, scale, c_dtype, a_dtype, precision, *, k, n_line, safety):
+    """γ·magnitude plus what flushing subnormals can move a line of ``n_line`` by, scaled: the
+    part of a row's threshold that does not depend on ``C``."""
+    # A C wider than float32 is summed in float32 (one more rounding of each element), and each
+    # operand wider than float32 is rounded to it for the checksums.
+    wide = max(jnp.dtype(c_dtype).itemsize, jnp.dtype(a_dtype).itemsize) > 4
+    input_unit = input_rounding(a_dtype, precision) + (unit_roundoff(jnp.float32) if wide else 0)
+    low_precision_out = unit_roundoff(c_dtype) > unit_roundoff(jnp.float32)
     gamma = roundoff_gamma(
         # A low-precision C's own rounding is bounded below, by the line it actually has.
-        out_dtype=jnp.float32 if (low_precision_out or wide) else c.dtype,
+        out_dtype=jnp.float32 if (low_precision_out or wide) else c_dtype,
         contraction=k,
         line=n_line,
         input_unit=input_unit,
         safety=safety,
     )
-    scale_on_row = _along(scale, ct.batch, row_term, ordinary_sum.shape)
-    threshold = gamma * magnitude + n_line * underflow_slack(c.dtype, k) * scale_on_row
-    abs_sum = jnp.zeros_like(ordinary_sum)
-    if low_precision_out:
-        # Rounding C to bf16/fp16 moves each element by at most u_out of itself, so the line
-        # moves by at most u_out·Σ|c|: often far below u_out·|A||B|e, which is loose where terms
-        # cancel. A fault cannot hide behind it: it raises Σ|c| by u_out·|Δ|, the deviation by |Δ|.
-        abs_sum = jnp.sum(jnp.abs(ordinary), axis=summed_axes)
-        threshold = threshold + safety * _rounding_of(u_out) * abs_sum
-    return RowCheck(
-        ref,
-        weighted_ref,
-        ordinary_sum,
-        weighted_sum,
-        abs_sum,
-        extremes,
-        extreme_at,
-        threshold,
-        magnitude,
-        scale,
-    )
+    return gamma * magnitude + n_line * underflow_slack(c_dtype, k) * scale
 
 
 def _element_bound(magnitude: jax.Array, n_line: int) -> jax.Array:
@@ -633,9 +623,8 @@ def _element_bound(magnitude: jax.Array, n_line: int) -> jax.Array:
 
     ``|c_ij| <= Σ_k |a_ik||b_kj| <= max_k|a_ik| · Σ_k Σ_n |b_kn|``, the row's ``magnitude``; twice
     that covers every rounding. An element beyond it is a fault wherever it sits (a near-INF
-    value, a flipped high exponent bit): it is located directly and kept out of the row's sums,
-    whose float32 rounding would otherwise absorb the rest of the row. Capped at f32max / N so
-    that no weighted term of the sums can overflow.
+    value, a flipped high exponent bit): it is located directly, where the row's sums, which
+    it dominates or makes non-finite, cannot say where it is. Capped at f32max / N.
     """
     return jnp.minimum(2 * magnitude, float(jnp.finfo(jnp.float32).max) / (n_line + 1))
 
@@ -706,10 +695,17 @@ def check_contraction(
         )
         return fixed[0], counts
     rows = _row_check(
-        c, a, b, ct, safety=config.safety, precision=precision, lhs_nonnegative=lhs_nonnegative
+        c,
+        a,
+        b,
+        ct,
+        safety=config.safety,
+        precision=precision,
+        lhs_nonnegative=lhs_nonnegative,
+        weighted=config.correct,
     )
-    deviation = rows.ordinary_sum - rows.ref
-    bad_row = ~(jnp.abs(deviation) <= rows.threshold) | (rows.extremes > 0)
+    deviation = rows.row_sum - rows.ref
+    bad_row = ~(jnp.abs(deviation) <= rows.threshold)  # NaN and INF rows fail too
     # Per matrix of the batch: rows flattened, [batch..., rows] with the batch letters first.
     row_term = ct.without(ct.rhs_free)
     order = [row_term.index(x) for x in ct.batch + ct.lhs_free]
@@ -728,91 +724,92 @@ def check_contraction(
 
     dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
     batch_shape = tuple(dims[x] for x in ct.batch)
+    n_batch = math.prod(batch_shape)
     n_line = math.prod(dims[x] for x in ct.rhs_free)
-    # The flagged row of each matrix (the first, when there are several: then nothing is fixed).
+    # The flagged row of each matrix (the first, when there are several: then nothing is fixed),
+    # and its numbers, one per matrix: [n_batch].
     row = jnp.argmax(bad, axis=-1).astype(jnp.uint32)
 
     def at_row(x):
-        x = per_matrix(x)
-        return jnp.take_along_axis(x, row[..., None], axis=-1, mode="promise_in_bounds")[..., 0]
+        x = jnp.take_along_axis(per_matrix(x), row[..., None], axis=-1, mode="promise_in_bounds")
+        return x[..., 0].reshape(-1)
 
     dev, wdev = at_row(deviation), at_row(rows.weighted_sum - rows.weighted_ref)
-    extremes, extreme_at = at_row(rows.extremes), at_row(rows.extreme_at)
-    # A single finite error Δ at column j moves the plain sum by Δ and the weighted one by
-    # (j+1)Δ; a single extreme element is where it is.
-    ratio = jnp.round(wdev / jnp.where(dev == 0, 1.0, dev)) - 1
-    by_ratio = jnp.clip(jnp.where(jnp.isfinite(ratio), ratio, 0), 0, n_line - 1).astype(jnp.int32)
-    column = jnp.where(extremes > 0, extreme_at, by_ratio)
-    locatable = (extremes <= 1) & ((extremes == 1) | (jnp.isfinite(ratio) & (dev != 0)))
-    # The ratio is as precise as the row's rounding allows: a moderate error in a long bf16 row
-    # may be a few columns off. The candidates are the window of columns around it; each is
-    # computed again, and the fault is the one that differs most from its exact value.
-    width = min(_CANDIDATES, n_line)
-    start = jnp.clip(column - width // 2, 0, n_line - width)
-    start = jnp.where(extremes > 0, column, start)  # one extreme element: it alone
-    offsets = jnp.where(extremes[..., None] > 0, 0, jnp.arange(width))
-    candidates = (start[..., None] + offsets).astype(jnp.uint32)  # [batch..., width]
-    # Index tuples, one per matrix (its row) and one per candidate (its column).
-    n_batch = math.prod(batch_shape)
-    per_matrix_at = {
+    ref, base_threshold = at_row(rows.ref), at_row(rows.base_threshold)
+    bound = _element_bound(at_row(rows.magnitude), n_line)
+    scale = rows.scale.reshape(-1)
+    # The flagged row of C itself, one per matrix ([n_batch, N]): everything below works on it.
+    matrix_at = {
         **_unravel(jnp.arange(n_batch), ct.batch, dims),
         **{x: i.reshape(-1) for x, i in _unravel(row, ct.lhs_free, dims).items()},
     }
-    per_candidate_at = {
-        **{x: jnp.repeat(i, width) for x, i in per_matrix_at.items()},
+    c_rows = _gather_lines(c, ct.out, matrix_at, ct.rhs_free).reshape(n_batch, n_line)
+    row32 = c_rows.astype(jnp.float32) * scale[:, None]
+    # A value no clean element of the row can reach is located directly; otherwise a single
+    # error Δ at column j moves the plain sum by Δ and the weighted one by (j+1)Δ.
+    extreme = ~(jnp.abs(row32) <= bound[:, None])
+    extremes = jnp.sum(extreme, axis=-1)
+    ratio = jnp.round(wdev / jnp.where(dev == 0, 1.0, dev)) - 1
+    finite_ratio = jnp.isfinite(ratio) & (dev != 0)
+    by_ratio = jnp.clip(jnp.where(finite_ratio, ratio, 0), 0, n_line - 1).astype(jnp.int32)
+    column = jnp.where(extremes > 0, jnp.argmax(extreme, axis=-1), by_ratio)
+    locatable = (extremes == 1) | ((extremes == 0) & finite_ratio)
+    # The ratio is as precise as the row's rounding allows: a moderate error in a long bf16 row
+    # may be a few columns off. The candidates are the window of columns around it (or the one
+    # extreme element); each is computed again from its row of a and column of b, and the fault
+    # is the one that differs most from its exact value.
+    width = min(_CANDIDATES, n_line)
+    start = jnp.clip(column - width // 2, 0, n_line - width)
+    start = jnp.where(extremes > 0, column, start)
+    offsets = jnp.where(extremes[:, None] > 0, 0, jnp.arange(width))
+    candidates = (start[:, None] + offsets).astype(jnp.uint32)  # [n_batch, width]
+    candidate_at = {
+        **{x: jnp.repeat(i, width) for x, i in matrix_at.items()},
         **{x: i.reshape(-1) for x, i in _unravel(candidates, ct.rhs_free, dims).items()},
     }
     lhs_lines = _gather_lines(
-        a, ct.lhs, {x: per_matrix_at[x] for x in ct.lhs if x in per_matrix_at}, ct.contracted
+        a, ct.lhs, {x: matrix_at[x] for x in ct.lhs if x in matrix_at}, ct.contracted
     )
     rhs_lines = _gather_lines(
-        b, ct.rhs, {x: per_candidate_at[x] for x in ct.rhs if x in per_candidate_at}, ct.contracted
+        b, ct.rhs, {x: candidate_at[x] for x in ct.rhs if x in candidate_at}, ct.contracted
     )
     acc = jnp.promote_types(jnp.float32, jnp.result_type(a.dtype, b.dtype))
     z, w = [x for x in string.ascii_letters if x not in ct.lhs + ct.rhs][:2]
     lhs_k = "".join(x for x in ct.lhs if x in ct.contracted)
     rhs_k = "".join(x for x in ct.rhs if x in ct.contracted)
-    rhs_lines = rhs_lines.reshape((n_batch, width, *rhs_lines.shape[1:]))
     exact_all = jnp.einsum(
         f"{z}{lhs_k},{z}{w}{rhs_k}->{z}{w}",
         lhs_lines.astype(acc),
-        rhs_lines.astype(acc),
+        rhs_lines.reshape((n_batch, width, *rhs_lines.shape[1:])).astype(acc),
         precision=lax.Precision.HIGHEST,
     ).astype(c.dtype)  # rounded as the GEMM rounds its output
-    candidate_index = tuple(per_candidate_at[x] for x in ct.out)
-    old_all = c.at[candidate_index].get(mode="promise_in_bounds").reshape(n_batch, width)
+    old_all = jnp.take_along_axis(c_rows, candidates.astype(jnp.int32), axis=-1)
     residual = jnp.abs(old_all.astype(acc) - exact_all.astype(acc))
-    pick = jnp.argmax(jnp.where(jnp.isnan(residual), jnp.inf, residual), axis=-1)
-    exact = jnp.take_along_axis(exact_all, pick[:, None], axis=-1)[:, 0]
-    old = jnp.take_along_axis(old_all, pick[:, None], axis=-1)[:, 0]
-    column = jnp.take_along_axis(candidates.reshape(n_batch, width), pick[:, None], axis=-1)
-    at = {**per_matrix_at, **_unravel(column[:, 0], ct.rhs_free, dims)}
-    index = tuple(at[x] for x in ct.out)
-    # The row after the fix, in scaled units: the old element leaves the sums, the exact one
-    # enters; the threshold follows Σ|c| of a low-precision C.
-    scale = rows.scale.reshape(-1)
-    old32, new32 = old.astype(jnp.float32) * scale, exact.astype(jnp.float32) * scale
-    bound = _element_bound(at_row(rows.magnitude), n_line).reshape(-1)
-    was_extreme = ~(jnp.abs(old32) <= bound)
-    old_ordinary = jnp.where(was_extreme, 0.0, old32)
-    dev_after = dev.reshape(-1) - old_ordinary + new32
-    threshold_after = at_row(rows.threshold).reshape(-1)
+    pick = jnp.argmax(jnp.where(jnp.isnan(residual), jnp.inf, residual), axis=-1)[:, None]
+    exact = jnp.take_along_axis(exact_all, pick, axis=-1)[:, 0]
+    column = jnp.take_along_axis(candidates, pick, axis=-1)[:, 0]
+    # The row with the fix, summed again (not the old sum minus the old value: a huge fault
+    # took the rest of the row's low bits with it): it must pass the row's check.
+    fixed_row = jnp.where(jnp.arange(n_line) == column[:, None], exact[:, None], c_rows)
+    fixed32 = fixed_row.astype(jnp.float32) * scale[:, None]
+    threshold_after = base_threshold
     u_out = unit_roundoff(c.dtype)
     if u_out > unit_roundoff(jnp.float32):
-        moved = jnp.abs(new32) - jnp.abs(old_ordinary)
-        threshold_after = threshold_after + config.safety * _rounding_of(u_out) * moved
+        rounding = _rounding_of(u_out) * jnp.sum(jnp.abs(fixed32), axis=-1)
+        threshold_after = threshold_after + config.safety * rounding
     passes = (
-        (jnp.abs(dev_after) <= threshold_after)
-        & (extremes.reshape(-1) - was_extreme == 0)
-        & locatable.reshape(-1)
-        & jnp.isfinite(exact)
+        (jnp.abs(jnp.sum(fixed32, axis=-1) - ref) <= threshold_after)
+        & jnp.all(jnp.isfinite(fixed32), axis=-1)
+        & locatable
     )
     single = (jnp.sum(bad, axis=-1) == 1).reshape(-1)
     upstream = upstream | (detected & ~jnp.isfinite(exact).reshape(batch_shape))
     fix = detected.reshape(-1) & single & passes & ~upstream.reshape(-1)
     # A scatter of one element per matrix: C is updated in place where it has no other use.
+    at = {**matrix_at, **_unravel(column, ct.rhs_free, dims)}
+    index = tuple(at[x] for x in ct.out)
+    old = jnp.take_along_axis(c_rows, column[:, None].astype(jnp.int32), axis=-1)[:, 0]
     fixed = c.at[index].set(
         jnp.where(fix, exact, old), mode="promise_in_bounds", unique_indices=True
     )
-    corrected = jnp.sum(fix)
-    return fixed, count_outcomes(jnp.sum(detected), corrected, jnp.sum(upstream))
+    return fixed, count_outcomes(jnp.sum(detected), jnp.sum(fix), jnp.sum(upstream))
