@@ -214,18 +214,6 @@ def inject_tile(tile, refs, count: int, *, c0, c1, rows, cols, enabled=None):
     return tile
 
 
-def table_specs(table: FaultTable | None, pl, grid_rank: int):
-    """BlockSpecs and operands for an optional fault table (whole arrays, every program)."""
-    if table is None:
-        return [], []
-    index_map = lambda *_: (0,)
-    del grid_rank
-    return (
-        [pl.BlockSpec(table.ints.shape, index_map), pl.BlockSpec(table.values.shape, index_map)],
-        [table.ints, table.values],
-    )
-
-
 # --- Checking one tile product inside a kernel -------------------------------------------------
 
 
