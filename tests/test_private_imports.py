@@ -15,8 +15,8 @@ import graph. What counts as an offence, in module ``a``:
   ``sdcguard.b`` that holds the private module ``_m``;
 - ``m._x`` where ``m`` is a name bound by an import of an sdcguard module.
 
-Modules outside ``guard/`` that still import private names are listed in :data:`ALLOWED`, each
-with the reason it is there; the list may only shrink. A new offender, anywhere, fails.
+No module imports another's private names; :data:`ALLOWED` is empty and may only stay so. A new
+offender, anywhere, fails.
 """
 
 from __future__ import annotations
@@ -28,12 +28,8 @@ from test_import_graph import module_names
 
 PACKAGE = Path(__file__).resolve().parent.parent / "sdcguard"
 
-# (importing module, imported module, private name) of every known offender. Each is a debt to
-# pay back by giving the name a public home; remove the entry when it is paid, never add one.
-ALLOWED = {
-    # The Pallas GEMM reads a helper of its sibling module as an attribute.
-    ("sdcguard.protection.pallas.matmul", "sdcguard.protection.pallas.verify", "_uncanonical"),
-}
+# (importing module, imported module, private name) of known offenders: none.
+ALLOWED: set[tuple[str, str, str]] = set()
 
 
 def _is_private(name: str) -> bool:
