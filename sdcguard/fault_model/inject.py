@@ -276,6 +276,15 @@ def recording_injection_points(points: set[str]) -> Iterator[set[str]]:
         _INJECTION_POINTS.reset(token)
 
 
+def note_injection_point(site: str) -> None:
+    """Tells :func:`recording_injection_points` that ``site`` has an injection point: what
+    every injector calls (:func:`apply_in_block`, and the Pallas kernels, which inject inside
+    the kernel)."""
+    points = _INJECTION_POINTS.get()
+    if points is not None:
+        points.add(site)
+
+
 def raise_if_unmatched(plan: FaultPlan | None, sites: Iterable[str]) -> None:
     """Makes the step fail when a fault of ``plan`` fires now at a site that is not in
     ``sites`` (the injection points of the step): a misspelt site would otherwise never be
@@ -384,9 +393,7 @@ def apply_in_block(
         return one.reshape(())
     global_shape = c.shape if global_shape is None else tuple(global_shape)
     size = math.prod(global_shape)
-    points = _INJECTION_POINTS.get()
-    if points is not None:
-        points.add(site)
+    note_injection_point(site)
     armed, sizes, dtypes = _RESTRICTION.get()
     if sizes is not None:
         sizes.setdefault(site, int(size))

@@ -114,6 +114,7 @@ def site_fault_index(plan: inject.FaultPlan, site: str, size: int):
     A fault with ``index >= 0`` hits ``index % size``; one with ``index == -1`` draws its index
     from a hash of its seed and the site id, so the kernel hits the element the XLA path hits.
     """
+    inject.note_injection_point(site)
     sid = site_id(site)
     hits = inject.fault_hits(plan, sid)
     index = jnp.asarray(plan.index)
