@@ -27,7 +27,12 @@ def control_flow(compiled_text: str) -> int:
 
 @pytest.mark.parametrize(
     "config, expected",
-    [(None, 0), (ABFTConfig(correct=False), 0), (ABFTConfig(), 0), (ABFTConfig(recompute=True), 1)],
+    [
+        pytest.param(None, 0, marks=pytest.mark.slow),
+        pytest.param(ABFTConfig(correct=False), 0, marks=pytest.mark.slow),
+        (ABFTConfig(), 0),
+        (ABFTConfig(recompute=True), 1),
+    ],
     ids=["plain", "detect-only", "in-place", "recompute"],
 )
 def test_a_checked_bf16_step_has_no_control_flow_per_gemm(config, expected):

@@ -20,7 +20,6 @@ from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.protection import linen as sl
 from sdcguard.protection.transform import list_sites, total
 
-LOW_PRECISION = [jnp.bfloat16, jnp.float16]
 # A checked clean step against the plain step, per compute dtype: the checked GEMMs are the same
 # dot_generals on the same operands, but XLA may keep a low-precision intermediate in float32 in
 # one program and round it in the other (`as_stored`), one ulp of the compute dtype at most.
@@ -100,7 +99,12 @@ def pick_sites(sites):
     }
 
 
-@pytest.fixture(scope="module", params=LOW_PRECISION, ids=lambda d: jnp.dtype(d).name)
+# fp16 runs with -m slow (the suite's budget); bf16, what users train in, in every run.
+@pytest.fixture(
+    scope="module",
+    params=[jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)],
+    ids=lambda d: jnp.dtype(d).name,
+)
 def lm(request):
     dtype = request.param
     step, args = lm_step(dtype)
