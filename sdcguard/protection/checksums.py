@@ -451,27 +451,10 @@ def line_checksums(
     summed = jnp.sum(c32, axis=summed_axes)
     term = ct.without(summed_letters)
     scale_on_line = _along(scale, ct.batch, term, summed.shape)
-    u_out = unit_roundoff(c.dtype)
-    low_precision_out = u_out > unit_roundoff(jnp.float32)
-    gamma = roundoff_gamma(
-        # A low-precision C's own rounding is bounded below, by the line it actually has.
-        out_dtype=jnp.float32 if low_precision_out else c.dtype,
-        contraction=k,
-        line=line,
-        input_unit=input_rounding(a.dtype, precision),
-        safety=safety,
-    )
-    threshold = gamma * magnitude
-    if low_precision_out:
-        # Rounding C to bf16/fp16 moves each element by at most u_out of itself, so the line
-        # moves by at most u_out·Σ|c|: often far below u_out·|A||B|e, which is loose where terms
-        # cancel. A fault cannot hide behind it: it raises Σ|c| by u_out·|Δ|, the deviation by |Δ|.
-        # One more reduction over C, for low-precision outputs only.
-        rounding = (u_out / (1 - u_out)) * jnp.sum(jnp.abs(c32), axis=summed_axes)
-        # An INF in the line would make this bound INF too and hide itself.
-        threshold += safety * jnp.where(jnp.isfinite(rounding), rounding, 0.0)
-    slack = line * underflow_slack(c.dtype, k) * scale_on_line
-    return LineChecksums(ref, jnp.abs(summed - ref), threshold + slack, scale)
+    threshold = _line_threshold(
+        magnitude, scale_on_line, c.dtype, a.dtype, precision, k=k, n_line=line, safety=safety
+    ) + _output_rounding(c32, c.dtype, summed_axes, safety)
+    return LineChecksums(ref, jnp.abs(summed - ref), threshold, scale)
 
 
 def repair_if(flagged: jax.Array, repair, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -582,26 +565,33 @@ def _row_check(
         w_on_c = _along(in_out_order, ct.rhs_free, ct.out, c.shape).astype(jnp.float32)
         weighted_sum = jnp.sum(c32 * w_on_c, axis=summed_axes)
     scale_on_row = _along(scale, ct.batch, row_term, row_sum.shape)
-    base_threshold = _row_threshold(
+    base_threshold = _line_threshold(
         magnitude, scale_on_row, c.dtype, a.dtype, precision, k=k, n_line=n_line, safety=safety
     )
-    threshold = base_threshold
-    u_out = unit_roundoff(c.dtype)
-    if u_out > unit_roundoff(jnp.float32):
-        # Rounding C to bf16/fp16 moves each element by at most u_out of itself, so the line
-        # moves by at most u_out·Σ|c|: often far below u_out·|A||B|e, which is loose where terms
-        # cancel. A fault cannot hide behind it: it raises Σ|c| by u_out·|Δ|, the deviation by
-        # |Δ|; an INF would make it INF too, so a non-finite Σ|c| adds nothing.
-        rounding = safety * _rounding_of(u_out) * jnp.sum(jnp.abs(c32), axis=summed_axes)
-        threshold = threshold + jnp.where(jnp.isfinite(rounding), rounding, 0.0)
+    threshold = base_threshold + _output_rounding(c32, c.dtype, summed_axes, safety)
     return RowCheck(
         ref, weighted_ref, row_sum, weighted_sum, threshold, base_threshold, magnitude, scale
     )
 
 
-def _row_threshold(magnitude, scale, c_dtype, a_dtype, precision, *, k, n_line, safety):
+def _output_rounding(c32, c_dtype, summed_axes, safety):
+    """What rounding a bf16/fp16 ``C`` can move its lines' sums by (0 for wider outputs).
+
+    Rounding moves each element by at most ``u_out`` of itself, so a line moves by at most
+    ``u_out·Σ|c|``: often far below ``u_out·|A||B|e``, which is loose where terms cancel. A fault
+    cannot hide behind it: it raises ``Σ|c|`` by ``u_out·|Δ|``, the deviation by ``|Δ|``; an INF
+    would make it INF too, so a non-finite ``Σ|c|`` adds nothing.
+    """
+    u_out = unit_roundoff(c_dtype)
+    if u_out <= unit_roundoff(jnp.float32):
+        return 0.0
+    rounding = safety * _rounding_of(u_out) * jnp.sum(jnp.abs(c32), axis=summed_axes)
+    return jnp.where(jnp.isfinite(rounding), rounding, 0.0)
+
+
+def _line_threshold(magnitude, scale, c_dtype, a_dtype, precision, *, k, n_line, safety):
     """γ·magnitude plus what flushing subnormals can move a line of ``n_line`` by, scaled: the
-    part of a row's threshold that does not depend on ``C``."""
+    part of a line's threshold that does not depend on ``C``."""
     # A C wider than float32 is summed in float32 (one more rounding of each element), and each
     # operand wider than float32 is rounded to it for the checksums.
     wide = max(jnp.dtype(c_dtype).itemsize, jnp.dtype(a_dtype).itemsize) > 4
@@ -792,11 +782,7 @@ def check_contraction(
     # took the rest of the row's low bits with it): it must pass the row's check.
     fixed_row = jnp.where(jnp.arange(n_line) == column[:, None], exact[:, None], c_rows)
     fixed32 = fixed_row.astype(jnp.float32) * scale[:, None]
-    threshold_after = base_threshold
-    u_out = unit_roundoff(c.dtype)
-    if u_out > unit_roundoff(jnp.float32):
-        rounding = _rounding_of(u_out) * jnp.sum(jnp.abs(fixed32), axis=-1)
-        threshold_after = threshold_after + config.safety * rounding
+    threshold_after = base_threshold + _output_rounding(fixed32, c.dtype, -1, config.safety)
     passes = (
         (jnp.abs(jnp.sum(fixed32, axis=-1) - ref) <= threshold_after)
         & jnp.all(jnp.isfinite(fixed32), axis=-1)
