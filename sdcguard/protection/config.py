@@ -38,8 +38,9 @@ class ABFTConfig:
       include, exclude: glob patterns over site names for :func:`sdcguard.checked`: a GEMM is
         checked when its name matches some ``include`` pattern and no ``exclude`` pattern
         (e.g. ``include=("*attn*",)``, or ``exclude=("*head*",)``).
-      recompute: for :func:`sdcguard.checked`: checks only detect, and a call with any
-        detection is computed again from the same arguments with in-place repair.
+      recompute: for :func:`sdcguard.checked`: checks only detect (``correct`` is not read),
+        and a call with any detection is computed again, once, from the same arguments; a
+        detection on that second computation too is reported for the update guard to refuse.
       per_iteration: for :func:`sdcguard.checked`: one row of counters per ``scan`` iteration
         instead of their sum.
       allow_unmatched: for :func:`sdcguard.checked`: accept ``include``/``exclude`` patterns and

@@ -641,14 +641,19 @@ def _merge_recomputed(first: dict, second: dict, second_detected) -> dict:
 
 
 def _run_recomputing(program: _Program, config: ABFTConfig) -> tuple[list, Report]:
-    """The step once, and once more when a check left anything unsafe: one ``while`` loop of
-    one or two trips around one copy of the step (a second copy would double compile time)."""
+    """The step once, and once more when a check detected anything: one ``while`` loop of
+    one or two trips around one copy of the step (a second copy would double compile time).
+
+    Both trips only detect: the in-place fix would add its program to the clean path, and a
+    step computed again from the same arguments needs none (a fault met on both trips is
+    reported, for the update guard to refuse).
+    """
     plan = inject.active_plan()
-    in_place = dataclasses.replace(config, recompute=False)
+    detect_only = dataclasses.replace(config, recompute=False, correct=False)
 
     def attempt(trip):
         with inject.faults(_first_trip_only(plan, trip)):
-            return _run_checked(program, in_place)
+            return _run_checked(program, detect_only)
 
     def again(carry):
         trip, _, first, _ = carry
@@ -684,9 +689,9 @@ def checked(fn: Callable, config: ABFTConfig | None = None) -> Callable:
       fn: any JAX-traceable function; typically a whole training step that calls ``jax.grad``.
       config: checks and repair. ``include`` / ``exclude`` select sites by glob (a pattern that
         matches nothing is an error); ``forward`` / ``backward`` select by direction;
-        ``correct=False`` only detects; ``recompute=True`` also computes the whole of ``fn``
-        again, once, when a check left anything it could not correct in place (one loop of one
-        or two trips per call: a clean call computes ``fn`` once); ``per_iteration`` keeps one
+        ``correct=False`` only detects; ``recompute=True`` checks only detect and computes the
+        whole of ``fn`` again, once, when a check detected anything (one loop of one or two
+        trips per call: a clean call computes ``fn`` once, at the cost of detection); ``per_iteration`` keeps one
         row of counters per ``scan`` iteration.
 
     Returns:
