@@ -704,9 +704,11 @@ def check_contraction(
         x = jnp.transpose(x, order)
         return x.reshape((*x.shape[: len(ct.batch)], -1))
 
-    bad = per_matrix(bad_row)
-    upstream = jnp.any(bad & ~jnp.isfinite(per_matrix(rows.ref)), axis=-1)
-    detected = jnp.any(bad, axis=-1)
+    # Both counters from one reduction of one flag per row: 0 clean, 1 flagged, 2 flagged where
+    # the inputs alone define a non-finite row sum (an operand already held a NaN or INF).
+    status = jnp.where(bad_row, jnp.where(jnp.isfinite(rows.ref), 1, 2), 0).astype(jnp.int8)
+    worst = jnp.max(per_matrix(status), axis=-1)
+    detected, upstream = worst > 0, worst == 2
     if not config.correct:
         # Detection only: C is passed on as it is. A flagged row whose checksum, computed from
         # the inputs alone, is not finite was doomed upstream.
@@ -718,15 +720,28 @@ def check_contraction(
     n_line = math.prod(dims[x] for x in ct.rhs_free)
     # The flagged row of each matrix (the first, when there are several: then nothing is fixed),
     # and its numbers, one per matrix: [n_batch].
+    bad = per_matrix(bad_row)
     row = jnp.argmax(bad, axis=-1).astype(jnp.uint32)
 
-    def at_row(x):
-        x = jnp.take_along_axis(per_matrix(x), row[..., None], axis=-1, mode="promise_in_bounds")
-        return x[..., 0].reshape(-1)
-
-    dev, wdev = at_row(deviation), at_row(rows.weighted_sum - rows.weighted_ref)
-    ref, base_threshold = at_row(rows.ref), at_row(rows.base_threshold)
-    bound = _element_bound(at_row(rows.magnitude), n_line)
+    # The flagged row's numbers, gathered together (one gather, not one per number).
+    numbers = jnp.stack(
+        [
+            per_matrix(x)
+            for x in (
+                deviation,
+                rows.weighted_sum - rows.weighted_ref,
+                rows.ref,
+                rows.base_threshold,
+                rows.magnitude,
+            )
+        ],
+        axis=-1,
+    )  # [batch..., rows, 5]
+    numbers = jnp.take_along_axis(
+        numbers, row[..., None, None], axis=-2, mode="promise_in_bounds"
+    ).reshape(n_batch, 5)
+    dev, wdev, ref, base_threshold, magnitude = numbers.T
+    bound = _element_bound(magnitude, n_line)
     scale = rows.scale.reshape(-1)
     # The flagged row of C itself, one per matrix ([n_batch, N]): everything below works on it.
     matrix_at = {
