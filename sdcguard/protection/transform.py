@@ -691,8 +691,8 @@ def checked(fn: Callable, config: ABFTConfig | None = None) -> Callable:
         matches nothing is an error); ``forward`` / ``backward`` select by direction;
         ``correct=False`` only detects; ``recompute=True`` checks only detect and computes the
         whole of ``fn`` again, once, when a check detected anything (one loop of one or two
-        trips per call: a clean call computes ``fn`` once, at the cost of detection); ``per_iteration`` keeps one
-        row of counters per ``scan`` iteration.
+        trips per call: a clean call computes ``fn`` once, at the cost of detection);
+        ``per_iteration`` keeps one row of counters per ``scan`` iteration.
 
     Returns:
       A function with ``fn``'s arguments returning ``(fn's outputs, report)``; ``report`` maps
