@@ -17,7 +17,7 @@ from tolerances import assert_close
 
 import sdcguard
 from sdcguard.fault_model.inject import Fault, FaultPlan
-from sdcguard.protection.abft import ABFTConfig
+from sdcguard.protection.abft import ABFTConfig, unsafe_checks
 from sdcguard.protection.transform import list_sites, total
 
 KEY = jax.random.key(0)
@@ -134,13 +134,25 @@ def test_detect_only_and_recompute_modes(mode):
         assert int(total(report)[2]) >= 3
         assert not bool(jnp.all(jnp.isfinite(out[1])))
     else:
-        # The fault is injected again in the recomputation, which repairs it in place.
+        # The fault is transient (a plan is inert on the recomputation): the step computed
+        # again is clean, and its detections count as corrected.
         np.testing.assert_array_equal(report[site], [3, 3, 0, 0])
         assert_close(out[1], expected[1], jnp.float32)
     # A clean call computes the step once and reports nothing.
     out, report = run_with(FaultPlan.none(), grad_step, W, X, config=config)
     np.testing.assert_array_equal(total(report), [0, 0, 0, 0])
     assert_close(out[1], expected[1], jnp.float32)
+
+
+def test_recompute_reports_a_fault_that_the_recomputation_meets_again():
+    """A NaN in the step's input is met by both computations: nothing is counted corrected,
+    and the report says why the update guard must refuse the step."""
+    x = X.at[0, 0].set(jnp.nan)
+    out, report = run_with(FaultPlan.none(), grad_step, W, x, config=ABFTConfig(recompute=True))
+    counts = total(report)
+    assert int(counts[0]) > 0 and int(counts[1]) == 0
+    assert int(unsafe_checks(counts)) == int(counts[0])
+    assert not bool(jnp.isfinite(out[0]))
 
 
 # --- Sharded: the checks stay on the device that holds the data ---------------------------------

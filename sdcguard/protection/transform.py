@@ -630,14 +630,28 @@ def _run_checked(program: _Program, config: ABFTConfig) -> tuple[list, Report]:
     return outs, _reduce(counts, evaluator.per_device, evaluator.mesh)
 
 
-def _merge_recomputed(first: dict, second: dict, second_detected) -> dict:
-    """Counters after a step computed twice: those of the recomputation if it detected
-    anything; else the first pass's detections were transient and recomputing corrected them."""
+def _merge_recomputed(first: dict, second: dict, trips) -> dict:
+    """Counters after a step computed ``trips`` times (1 or 2): the first computation's after
+    one; after two, those of the recomputation if it detected anything, else the first
+    computation's detections were transient and recomputing corrected them.
+
+    The sites' counters are merged as one stacked array: merged site by site, XLA copies the
+    decision (a sum over every site) into each site's fusion.
+    """
+    sites = list(first)
+    if not sites:
+        return {}
+    sizes = [first[s].size // NUM_COUNTERS for s in sites]
+    stacked_first = jnp.concatenate([first[s].reshape(-1, NUM_COUNTERS) for s in sites])
+    stacked_second = jnp.concatenate([second[s].reshape(-1, NUM_COUNTERS) for s in sites])
+    second_detected = jnp.sum(stacked_second[:, 0]) > 0
     corrected_by_recompute = jnp.asarray([1, 1, 0, 0], jnp.int32)
-    return {
-        s: jnp.where(second_detected, second[s], first[s][..., :1] * corrected_by_recompute)
-        for s in first
-    }
+    recomputed = jnp.where(
+        second_detected, stacked_second, stacked_first[:, :1] * corrected_by_recompute
+    )
+    merged = jnp.where(trips > 1, recomputed, stacked_first)
+    pieces = jnp.split(merged, np.cumsum(sizes)[:-1].tolist())
+    return {s: p.reshape(first[s].shape) for s, p in zip(sites, pieces, strict=True)}
 
 
 def _run_recomputing(program: _Program, config: ABFTConfig) -> tuple[list, Report]:
@@ -672,8 +686,7 @@ def _run_recomputing(program: _Program, config: ABFTConfig) -> tuple[list, Repor
     trips, outs, first, last = jax.lax.while_loop(
         go_on, again, (jnp.int32(0), outs0, report0, report0)
     )
-    merged = _merge_recomputed(first, last, total(last)[0] > 0)
-    return outs, {s: jnp.where(trips > 1, merged[s], first[s]) for s in first}
+    return outs, _merge_recomputed(first, last, trips)
 
 
 def checked(fn: Callable, config: ABFTConfig | None = None) -> Callable:
