@@ -255,6 +255,7 @@ def _gemv(x, x_letters: str, t, t_letters: str, contracted: str, kept: str):
 # (|e| <= 126), so a scale is never flushed to zero.
 _F32_MANTISSA_BITS = 23
 _MAX_BIASED_EXPONENT = 252  # e = 126 for the largest m
+_LARGEST_SCALE = 2.0**126  # power_of_two_below of the smallest m (and of subnormal m)
 
 
 def power_of_two_below(m: jax.Array) -> jax.Array:
@@ -323,10 +324,13 @@ def _contract_with_line_sums(
     summed_axes = axes_of(other_letters, summed_letters)
     v_letters = "".join(c for c in other_letters if c not in summed_letters)
     w = jnp.sum(jnp.abs(other), axis=summed_axes)
-    # One power of two per matrix of the batch, from the largest |B|e of that matrix.
+    # One power of two per matrix of the batch, from the largest |B|e of that matrix: the
+    # smallest of the entries' powers of two (the same number, as the power of two falls as
+    # |B|e grows). Taken as a reduction, the scale is computed once: as an elementwise function
+    # of a max, XLA copies its bit arithmetic into each of the check's fusions that reads it.
     batch_in_v = "".join(c for c in v_letters if c in ct.batch)
-    w_max = jnp.max(w, axis=axes_of(v_letters, ct.contracted))
-    scale_v = power_of_two_below(w_max)  # letters batch_in_v
+    entry_scales = jnp.where(w > 0, power_of_two_below(w), _LARGEST_SCALE)
+    scale_v = jnp.min(entry_scales, axis=axes_of(v_letters, ct.contracted))  # batch_in_v
     on_v = scale_v.reshape([w.shape[i] if c in ct.batch else 1 for i, c in enumerate(v_letters)])
     v = jnp.sum(other, axis=summed_axes) * on_v
     w = w * on_v
