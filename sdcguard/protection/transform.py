@@ -40,6 +40,7 @@ import dataclasses
 import difflib
 import fnmatch
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -630,28 +631,33 @@ def _run_checked(program: _Program, config: ABFTConfig) -> tuple[list, Report]:
     return outs, _reduce(counts, evaluator.per_device, evaluator.mesh)
 
 
-def _merge_recomputed(first: dict, second: dict, trips) -> dict:
-    """Counters after a step computed ``trips`` times (1 or 2): the first computation's after
-    one; after two, those of the recomputation if it detected anything, else the first
-    computation's detections were transient and recomputing corrected them.
+class _Stacking(NamedTuple):
+    """The sites of a report and their counters' shapes: a report as one int32
+    ``[rows, NUM_COUNTERS]`` array and back. The recompute loop carries and merges counters
+    stacked: site by site, XLA copies each decision (a sum over every site) into every site's
+    fusion, ~100 lines of program per site."""
 
-    The sites' counters are merged as one stacked array: merged site by site, XLA copies the
-    decision (a sum over every site) into each site's fusion.
-    """
-    sites = list(first)
-    if not sites:
-        return {}
-    sizes = [first[s].size // NUM_COUNTERS for s in sites]
-    stacked_first = jnp.concatenate([first[s].reshape(-1, NUM_COUNTERS) for s in sites])
-    stacked_second = jnp.concatenate([second[s].reshape(-1, NUM_COUNTERS) for s in sites])
-    second_detected = jnp.sum(stacked_second[:, 0]) > 0
+    shapes: dict[str, tuple[int, ...]]
+
+    def stack(self, report: Report) -> jax.Array:
+        return jnp.concatenate([report[s].reshape(-1, NUM_COUNTERS) for s in self.shapes])
+
+    def unstack(self, stacked: jax.Array) -> Report:
+        sizes = [math.prod(shape) // NUM_COUNTERS for shape in self.shapes.values()]
+        pieces = jnp.split(stacked, np.cumsum(sizes)[:-1].tolist())
+        return {
+            s: p.reshape(shape) for (s, shape), p in zip(self.shapes.items(), pieces, strict=True)
+        }
+
+
+def _merge_recomputed(first: jax.Array, second: jax.Array, trips) -> jax.Array:
+    """Stacked counters after a step computed ``trips`` times (1 or 2): the first
+    computation's after one; after two, those of the recomputation if it detected anything,
+    else the first computation's detections were transient and recomputing corrected them."""
+    second_detected = jnp.sum(second[:, 0]) > 0
     corrected_by_recompute = jnp.asarray([1, 1, 0, 0], jnp.int32)
-    recomputed = jnp.where(
-        second_detected, stacked_second, stacked_first[:, :1] * corrected_by_recompute
-    )
-    merged = jnp.where(trips > 1, recomputed, stacked_first)
-    pieces = jnp.split(merged, np.cumsum(sizes)[:-1].tolist())
-    return {s: p.reshape(first[s].shape) for s, p in zip(sites, pieces, strict=True)}
+    recomputed = jnp.where(second_detected, second, first[:, :1] * corrected_by_recompute)
+    return jnp.where(trips > 1, recomputed, first)
 
 
 def _run_recomputing(program: _Program, config: ABFTConfig) -> tuple[list, Report]:
@@ -669,24 +675,29 @@ def _run_recomputing(program: _Program, config: ABFTConfig) -> tuple[list, Repor
         with inject.faults(_first_trip_only(plan, trip)):
             return _run_checked(program, detect_only)
 
+    outs_shape, report_shape = jax.eval_shape(lambda: attempt(jnp.int32(0)))
+    if not report_shape:
+        # Nothing is checked: nothing can call for a second computation.
+        return attempt(jnp.int32(0))
+    stacking = _Stacking({s: a.shape for s, a in report_shape.items()})
+
     def again(carry):
         trip, _, first, _ = carry
         outs, report = attempt(trip)
+        now = stacking.stack(report)
         # The first trip's counters are kept to say what the recomputation corrected.
-        first = jax.tree.map(lambda f, r: jnp.where(trip == 0, r, f), first, report)
-        return trip + 1, outs, first, report
+        return trip + 1, outs, jnp.where(trip == 0, now, first), now
 
     def go_on(carry):
         trip, _, first, _ = carry
-        return (trip == 0) | ((trip == 1) & (unsafe_checks(total(first)) > 0))
+        return (trip == 0) | ((trip == 1) & (jnp.sum(unsafe_checks(first)) > 0))
 
-    outs_shape, report_shape = jax.eval_shape(lambda: attempt(jnp.int32(0)))
     outs0 = [_placeholder(a) for a in outs_shape]
-    report0 = {s: _placeholder(a) for s, a in report_shape.items()}
+    counts0 = _placeholder(jax.eval_shape(stacking.stack, report_shape))
     trips, outs, first, last = jax.lax.while_loop(
-        go_on, again, (jnp.int32(0), outs0, report0, report0)
+        go_on, again, (jnp.int32(0), outs0, counts0, counts0)
     )
-    return outs, _merge_recomputed(first, last, trips)
+    return outs, stacking.unstack(_merge_recomputed(first, last, trips))
 
 
 def checked(fn: Callable, config: ABFTConfig | None = None) -> Callable:
