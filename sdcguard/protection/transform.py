@@ -50,7 +50,7 @@ from jax._src import source_info_util
 from jax.extend import core as jex_core
 
 from sdcguard.fault_model import inject
-from sdcguard.protection import checksums, gemm, naming, sharding
+from sdcguard.protection import checksums, fused_attention, gemm, naming, sharding
 from sdcguard.protection.config import NUM_COUNTERS, ABFTConfig, unsafe_checks
 
 __all__ = ["GemmSite", "checked", "list_sites", "total"]
@@ -86,9 +86,11 @@ class GemmSite:
     implementation: str = ""
 
 
-# Primitives that run GEMMs inside one fused kernel (no jaxpr to open): cuDNN attention, custom
-# calls. A step that uses them has GEMMs the transform cannot see; list_sites says so.
-_FUSED_GEMM_PRIMITIVES = ("dot_product_attention", "cudnn", "cublas", "custom_call")
+# Primitives that run GEMMs inside one fused kernel (no jaxpr to open): custom calls, cuBLAS and
+# cuDNN kernels. A step that uses them has GEMMs the transform cannot see; list_sites says so.
+# JAX's cuDNN attention is not among them: it runs through the ABFT flash kernel
+# (:mod:`sdcguard.protection.fused_attention`), or is listed with the reason it cannot.
+_FUSED_GEMM_PRIMITIVES = ("cudnn", "cublas", "custom_call")
 
 
 def _selected(name: str, config: ABFTConfig) -> bool:
@@ -113,6 +115,10 @@ def _why_unchecked(gemm: naming.Gemm, name: str, direction: str, config: ABFTCon
         # Integer and fp8 GEMMs pass through: the checksum model is for floating GEMMs that
         # accumulate in float32 or wider.
         return f"{_dtype_name(gemm)} operands (integer and fp8 GEMMs pass through)"
+    return _why_not_selected(name, direction, config)
+
+
+def _why_not_selected(name: str, direction: str, config: ABFTConfig) -> str:
     if direction == "forward" and not config.forward:
         return "forward GEMMs not selected (forward=False)"
     if direction != "forward" and not config.backward:
@@ -129,7 +135,9 @@ def _not_run_checked(jaxpr) -> dict[int, str]:
     out: dict[int, str] = {}
 
     def all_in(sub, why):
-        out.update({id(g.eqn): why for g in naming.collect_gemms(sub)})
+        cores: list[naming.Gemm] = []
+        out.update({id(g.eqn): why for g in naming.collect_gemms(sub, cores=cores)})
+        out.update({id(c.eqn): why for c in cores})
 
     for eqn in jaxpr.eqns:
         prim = eqn.primitive.name
@@ -162,7 +170,7 @@ def _fused_gemm_sites(jaxpr, outer: str = "") -> list[GemmSite]:
     for eqn in jaxpr.eqns:
         stack = "/".join(p for p in (outer, str(eqn.source_info.name_stack)) if p)
         prim = eqn.primitive.name
-        if any(k in prim for k in _FUSED_GEMM_PRIMITIVES):
+        if any(k in prim for k in _FUSED_GEMM_PRIMITIVES) and not naming.is_fused_attention(eqn):
             where = "/".join(p for p in stack.split("/") if p and "(" not in p) or "fn"
             found.append(
                 GemmSite(
@@ -184,14 +192,73 @@ def _fused_gemm_sites(jaxpr, outer: str = "") -> list[GemmSite]:
     return found
 
 
+class _Core(NamedTuple):
+    """A fused attention equation: where it is, and what runs it."""
+
+    path: str  # the attention module's path (its sites are f"{path}:scores", ...)
+    why: str  # why the flash kernel does not run it ('' when it does)
+    checked: frozenset[str]  # the names of its sites whose checks run
+
+
 class _SiteTable(NamedTuple):
     names: dict[int, tuple[str, str]]  # id(eqn) -> (site name, direction)
     why: dict[int, str]  # id(eqn) -> why it runs unchecked ('' when checked)
     sites: list[GemmSite]  # one per name, in program order
+    cores: dict[int, _Core]  # id(eqn) -> the fused attention equation's sites
+
+
+def _core_table(jaxpr, config: ABFTConfig, paths: dict[int, str], not_run: dict[int, str]):
+    """``(cores, sites)``: each fused attention equation of ``jaxpr`` (``id(eqn) -> _Core``) and
+    the sites ``list_sites`` shows for them: the kernel's sites of an equation the flash kernel
+    runs, else one site named after the primitive, unchecked, saying which parameter stops it."""
+    cores: dict[int, _Core] = {}
+    sites: dict[str, GemmSite] = {}
+    for c in naming.collect_attention_cores(jaxpr):
+        eqn, path, prim = c.eqn, paths[id(c.eqn)], c.eqn.primitive.name
+        dtype = jnp.dtype(eqn.invars[0].aval.dtype).name
+        reason = fused_attention.unsupported(eqn)
+        why = not_run.get(id(eqn), "")
+        if reason:
+            why = (
+                f"cuDNN fused attention ({prim}) with {reason}, which the ABFT flash kernel "
+                "does not run: cuDNN runs it, its GEMMs unchecked; use implementation='xla' "
+                "or the drop-in attention layers"
+            )
+        if why:
+            cores[id(eqn)] = _Core(path, why, frozenset())
+            name = f"{path}:{prim}"
+            out_shape = tuple(eqn.outvars[0].aval.shape)
+            sites.setdefault(name, GemmSite(
+                name=name, direction="forward" if "fwd" in prim else "backward",
+                lhs_shape=(), rhs_shape=(), out_shape=out_shape, dtype=dtype, checked=False,
+                why_unchecked=why,
+            ))  # fmt: skip
+            continue
+        listed = fused_attention.core_sites(eqn, path)
+        whys = {s.name: _why_not_selected(s.name, s.direction, config) for s in listed}
+        for s in listed:
+            if s.partner and not whys[s.name] and whys[s.partner]:
+                whys[s.name] = (
+                    f"checked only together with {s.partner} (one check of the flash "
+                    f"kernel covers both), which is not selected: {whys[s.partner]}"
+                )
+        checked = frozenset(n for n, w in whys.items() if not w)
+        cores[id(eqn)] = _Core(path, "", checked)
+        implementation = fused_attention.implementation(eqn)
+        for s in listed:
+            site = GemmSite(
+                name=s.name, direction=s.direction, lhs_shape=s.lhs_shape,
+                rhs_shape=s.rhs_shape, out_shape=s.out_shape, dtype=dtype,
+                checked=s.name in checked, why_unchecked=whys[s.name],
+                implementation=implementation if s.name in checked else "",
+            )  # fmt: skip
+            if s.name not in sites or (site.checked and not sites[s.name].checked):
+                sites[s.name] = site
+    return cores, list(sites.values())
 
 
 def _site_table(jaxpr, config: ABFTConfig, input_paths: Sequence[str] = ()) -> _SiteTable:
-    names = naming.name_gemms(jaxpr, input_paths)
+    names, core_paths = naming.name_program(jaxpr, input_paths)
     not_run = _not_run_checked(jaxpr)
     implementation = "pallas" if config.implementation == "pallas" else "xla"
     why_by_eqn: dict[int, str] = {}
@@ -214,8 +281,9 @@ def _site_table(jaxpr, config: ABFTConfig, input_paths: Sequence[str] = ()) -> _
         # A name some of whose GEMMs are checked is a checked site (it is in the report).
         if name not in sites or (site.checked and not sites[name].checked):
             sites[name] = site
-    listed = list(sites.values()) + _fused_gemm_sites(jaxpr)
-    return _SiteTable(names, why_by_eqn, listed)
+    cores, core_sites = _core_table(jaxpr, config, core_paths, not_run)
+    listed = list(sites.values()) + core_sites + _fused_gemm_sites(jaxpr)
+    return _SiteTable(names, why_by_eqn, listed, cores)
 
 
 def _validate_selection(config: ABFTConfig, names: Sequence[str]) -> None:
@@ -267,6 +335,7 @@ class _Evaluator:
     def __init__(self, table: _SiteTable, config: ABFTConfig, mesh=None):
         self.names = table.names
         self.why = table.why
+        self.cores = table.cores
         self.config = config
         self.per_device: set[str] = set()  # sites whose counters are rows per device
         self.manual_axes: frozenset = frozenset()  # of the shard_map being evaluated
@@ -294,10 +363,14 @@ class _Evaluator:
     def sites_in(self, jaxpr) -> list[str]:
         """The checked sites of ``jaxpr`` and everything nested in it, in a fixed order."""
         out = []
-        for g in naming.collect_gemms(jaxpr):
+        cores: list[naming.Gemm] = []
+        for g in naming.collect_gemms(jaxpr, cores=cores):
             name, _ = self.names[id(g.eqn)]
             if not self.why[id(g.eqn)] and name not in out:
                 out.append(name)
+        for c in cores:
+            checked = self.cores[id(c.eqn)].checked
+            out += [n for n in sorted(checked) if n not in out]
         return out
 
     def run(self, jaxpr, consts: Sequence, args: Sequence) -> tuple[list, dict]:
@@ -329,6 +402,8 @@ class _Evaluator:
         return [read(v) for v in jaxpr.outvars], counts
 
     def eqn(self, eqn, invals):
+        if naming.is_fused_attention(eqn):
+            return self._fused_attention(eqn, invals)
         rule = getattr(self, "_" + eqn.primitive.name, None)
         if rule is not None:
             return rule(eqn, invals)
@@ -374,6 +449,20 @@ class _Evaluator:
                 counts = sharding.as_rows(jnp.sum(counts, axis=0), self.mesh)
             self.per_device.add(name)
         return out, {name: counts}
+
+    # cuDNN attention: through the ABFT flash kernel where it can run it, else as it is.
+    def _fused_attention(self, eqn, invals):
+        core = self.cores[id(eqn)]
+        if core.why:
+            return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params)), {}
+        rule = fused_attention.forward if "fwd" in eqn.primitive.name else fused_attention.backward
+        outs, counts = rule(eqn, invals, path=core.path, checked=core.checked, config=self.config)
+        if self.sharded:
+            # The kernel runs on whole operands (a pallas_call is not partitioned): its counts
+            # are the same on every device, kept once.
+            counts = {s: sharding.as_rows(c, self.mesh) for s, c in counts.items()}
+            self.per_device.update(counts)
+        return outs, counts
 
     def _custom_linear_solve(self, eqn, invals):
         # The step is already differentiated: what runs is the solve, on its consts and b.
