@@ -190,6 +190,37 @@ def test_faults_at_every_site_are_detected_and_corrected(dtype):
     assert not np.isfinite(float(value))  # the fault reached the loss when not corrected
 
 
+def test_a_layer_stack_scanned_and_rematerialised():
+    """Attention in a scanned, checkpointed layer: its counters leave the loop, the backward
+    pass's recomputation is checked too, and a fault there is corrected."""
+    dtype = jnp.bfloat16
+    x = jax.random.normal(jax.random.key(0), (B, T, H, D)).astype(dtype)
+    w = (0.2 * jax.random.normal(jax.random.key(1), (2, D, D))).astype(dtype)
+
+    def stack(w, x):
+        def layer(h, wi):
+            def body(h):
+                return jax.nn.dot_product_attention(
+                    h @ wi, h, h, is_causal=True, implementation="cudnn"
+                )
+
+            return jax.checkpoint(body)(h), None
+
+        return jnp.sum(jax.lax.scan(layer, x, w)[0].astype(jnp.float32) ** 2)
+
+    step = jax.value_and_grad(stack)
+    (scores,) = [s.name for s in sdcguard.list_sites(step, w, x) if s.name.endswith("body:scores")]
+    at = scores.removesuffix("scores")  # "<this test's call path>/stack/layer/body:"
+    plan = FaultPlan.from_faults([Fault(site=at + "scores", kind="inf", index=5)])
+    clean, _ = run_with(None, step, w, x)
+    (value, grad), report = run_with(plan, step, w, x)
+    # Two layers, each computed in the forward pass and again under remat in the backward.
+    assert report[at + "scores"].tolist() == [4, 4, 0, 0]
+    assert all(c.tolist() == [0, 0, 0, 0] for s, c in report.items() if s != at + "scores")
+    _close(value, clean[0], dtype)
+    _close(grad, clean[1], dtype)
+
+
 def test_list_sites_shows_the_kernel_and_directions():
     q, k, v = _qkv(jnp.bfloat16)
     sites = {s.name: s for s in sdcguard.list_sites(grad_step, q, k, v)}

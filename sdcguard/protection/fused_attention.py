@@ -43,7 +43,15 @@ import jax.numpy as jnp
 from sdcguard.fault_model import inject
 from sdcguard.protection.config import ABFTConfig
 
-__all__ = ["CoreSite", "backward", "core_sites", "forward", "implementation", "unsupported"]
+__all__ = [
+    "CoreSite",
+    "backward",
+    "core_sites",
+    "forward",
+    "implementation",
+    "is_forward",
+    "unsupported",
+]
 
 # Parameters of the primitives (jax 0.10-0.11) and what each may be to run through the flash
 # kernel; a parameter not listed is one whose meaning this module does not know.
@@ -75,12 +83,19 @@ FORWARD_SITES = ("scores", "probs", "context")
 BACKWARD_SITES = ("scores.grad_lhs", "scores.grad_rhs", "context.grad_lhs", "context.grad_rhs")
 
 
-def _is_forward(eqn) -> bool:
+def is_forward(eqn) -> bool:
+    """Whether a fused attention equation is the forward one (else the backward one)."""
     return "_fwd" in eqn.primitive.name
 
 
 def _mask_name(mask_type) -> str:
     return getattr(mask_type, "name", str(mask_type))
+
+
+def _layout_code(params) -> int:
+    """The ``layout`` parameter as its integer code (an ``int``, or an ``AttentionLayout``)."""
+    layout = params.get("layout", 0)
+    return int(getattr(layout, "value", layout))
 
 
 def unsupported(eqn) -> str:
@@ -97,7 +112,7 @@ def unsupported(eqn) -> str:
         return f"dropout (dropout_rate={p['dropout_rate']})"
     if _mask_name(p.get("mask_type")) not in _SUPPORTED_MASKS:
         return f"mask_type={_mask_name(p.get('mask_type'))} (NO_MASK and CAUSAL are supported)"
-    if int(getattr(p.get("layout"), "value", p.get("layout"))) not in _LAYOUTS:
+    if _layout_code(p) not in _LAYOUTS:
         return f"layout={p.get('layout')} (BTNH and BNTH are supported)"
     if p.get("sliding_window_length") is not None:
         return f"a sliding window (sliding_window_length={p['sliding_window_length']})"
@@ -111,6 +126,9 @@ def unsupported(eqn) -> str:
         return f"operand dtypes {q.dtype}, {k.dtype}, {v.dtype}"
     if q.shape[-1] != v.shape[-1]:
         return f"a value head size ({v.shape[-1]}) other than the query's ({q.shape[-1]})"
+    head_axis = 1 if _layout_code(p) == 1 else 2
+    if q.shape[head_axis] % k.shape[head_axis]:
+        return f"{q.shape[head_axis]} query heads over {k.shape[head_axis]} key/value heads"
     return ""
 
 
@@ -123,7 +141,7 @@ class _Layout(NamedTuple):
 
     @classmethod
     def of(cls, eqn) -> _Layout:
-        layout = int(getattr(eqn.params["layout"], "value", eqn.params["layout"]))
+        layout = _layout_code(eqn.params)
         q, k = eqn.invars[0].aval, eqn.invars[1].aval
         head_axis = 1 if layout == 1 else 2
         return cls(layout == 1, q.shape[head_axis] // k.shape[head_axis])
@@ -174,7 +192,7 @@ def core_sites(eqn, path: str) -> list[CoreSite]:
     q, heads_k = _kernel_shapes(eqn)
     b, t, h, _ = q
     scores = (b, h, t, heads_k[1])
-    if _is_forward(eqn):
+    if is_forward(eqn):
         return [
             CoreSite(f"{path}:scores", "forward", "", q, heads_k, scores),
             CoreSite(f"{path}:probs", "forward", "", (), (), scores),

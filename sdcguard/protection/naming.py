@@ -33,6 +33,10 @@ The rule, in order:
    ``jax.named_scope`` path if there is one (with linen's root-module class removed, so that it
    reads like rule 1), else the Python call path, as ``scope:function`` (``loss/mlp:dot_general``).
 
+JAX's fused cuDNN attention (one equation, no GEMMs to see) is named as its GEMMs would be in
+XLA: rule 2 over its query, keys and values (``decoder/block_0/attn``), else rule 3; its sites
+(``:scores``, ``:context``, ...) are :mod:`sdcguard.protection.fused_attention`'s.
+
 Where several forward GEMMs get one name (a module called twice, weights tied), the second is
 ``_1``, the third ``_2``, in program order. The backward GEMMs that ``jax.grad`` produced are
 paired with the forward GEMM they differentiate and take its name with ``.grad_lhs`` /
@@ -607,6 +611,7 @@ def _name_cores(cores: list[Gemm], namer: _Namer) -> dict[int, str]:
     recomputed under remat) takes the name of the forward core that read the same query, keys
     and values, else its path.
     """
+
     def path_of(c: Gemm) -> str:
         site = namer.by_producers(c)
         return str(site[0]) if site is not None else namer.by_scope(c).rsplit(":", 1)[0]

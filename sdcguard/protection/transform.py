@@ -6,7 +6,10 @@
 code, so it reaches every GEMM whatever wrote it (Flax linen or NNX, Equinox, plain ``jnp``), inside
 ``jit``, ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp`` bodies and
 ``shard_map``; and when ``fn`` is a training step that calls ``jax.grad``, the backward GEMMs that
-``grad`` produced are ``dot_general`` s of the same program and are checked too.
+``grad`` produced are ``dot_general`` s of the same program and are checked too. Attention that
+JAX runs as one fused cuDNN kernel (``jax.nn.dot_product_attention(implementation="cudnn")``)
+runs through sdcguard's ABFT flash attention, forward and backward
+(:mod:`sdcguard.protection.fused_attention`).
 
 Under sharding each device checks the GEMM it computes, on the blocks it holds: inside ``shard_map``
 and ``pmap`` the program is already per device; under ``jit`` with ``NamedSharding`` (automatic or
@@ -25,7 +28,8 @@ its injection point and its check are :func:`sdcguard.protection.gemm.checked_ge
 Why one module: the transform is one interpreter over a jaxpr, one rule per primitive that can hold
 a GEMM (``pjit``, ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp``,
 ``shard_map``, ``custom_linear_solve``); the rules call each other recursively, so split they
-would still be read as one.
+would still be read as one. The mapping of cuDNN attention onto the flash kernel is not part of
+that recursion and has its own module; the evaluator only dispatches to it.
 
 Example:
   >>> step = sdcguard.checked(train_step)               # same arguments as train_step
@@ -65,14 +69,17 @@ class GemmSite:
 
     Attributes:
       name: the site name (what fault plans, ``include``/``exclude`` and the report use).
-      direction: ``'forward'``, ``'grad_lhs'`` or ``'grad_rhs'``.
+      direction: ``'forward'``, ``'grad_lhs'`` or ``'grad_rhs'`` (``'backward'`` for the backward
+        equation of a fused attention kernel left unchecked, which holds both).
       lhs_shape, rhs_shape, out_shape: the GEMM's shapes (empty for a fused kernel).
       dtype: the operands' dtype (``'bfloat16'``, or ``'bfloat16 x float32'`` when they differ).
       checked: whether ``checked`` verifies it; then it is in every report of the step.
       why_unchecked: ``''`` when checked, else the reason (``'int8 operands'``, ``'excluded by
         include/exclude'``, ``'inside pallas_call, which sdcguard.checked does not open'``, ...).
       implementation: ``'xla'`` or ``'pallas'`` when checked (see
-        :func:`sdcguard.protection.gemm.implementation_for`), else ``''``.
+        :func:`sdcguard.protection.gemm.implementation_for`), ``'pallas flash attention
+        (mosaic)'`` or ``'(triton)'`` for the sites of cuDNN attention
+        (:mod:`sdcguard.protection.fused_attention`), else ``''``.
     """
 
     name: str
@@ -229,7 +236,7 @@ def _core_table(jaxpr, config: ABFTConfig, paths: dict[int, str], not_run: dict[
             name = f"{path}:{prim}"
             out_shape = tuple(eqn.outvars[0].aval.shape)
             sites.setdefault(name, GemmSite(
-                name=name, direction="forward" if "fwd" in prim else "backward",
+                name=name, direction="forward" if fused_attention.is_forward(eqn) else "backward",
                 lhs_shape=(), rhs_shape=(), out_shape=out_shape, dtype=dtype, checked=False,
                 why_unchecked=why,
             ))  # fmt: skip
@@ -455,7 +462,9 @@ class _Evaluator:
         core = self.cores[id(eqn)]
         if core.why:
             return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params)), {}
-        rule = fused_attention.forward if "fwd" in eqn.primitive.name else fused_attention.backward
+        rule = (
+            fused_attention.forward if fused_attention.is_forward(eqn) else fused_attention.backward
+        )
         outs, counts = rule(eqn, invals, path=core.path, checked=core.checked, config=self.config)
         if self.sharded:
             # The kernel runs on whole operands (a pallas_call is not partitioned): its counts

@@ -829,8 +829,9 @@ def flash_attention(
     return _flash(st, q, k, v, mask, plan, zero_core_sink() if sink is None else sink)
 
 
-def _unmasked_static(q, k, v, *, causal, sm_scale, config, path, precision, block_sizes,
-                     interpret, kernel) -> _Static:
+def _unmasked_static(
+    q, k, v, *, causal, sm_scale, config, path, precision, block_sizes, interpret, kernel
+) -> _Static:
     interpret = resolve_interpret(interpret)
     return _Static(
         kernel=_choose_kernel(kernel, q, k, v, None, block_sizes, interpret, causal=bool(causal)),
