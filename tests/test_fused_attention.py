@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 from jax._src.interpreters import mlir
+from multidevice import needs_8, run_on_8_devices
 
 import sdcguard
 from sdcguard.fault_model.inject import Fault, FaultPlan
@@ -356,3 +357,56 @@ def test_an_unsupported_variant_runs_unchecked_and_a_fault_there_matches_nothing
     # The same plan on the supported call is injected (and corrected).
     _, report = run_with(plan, attend, q, k, v)
     assert report["fn:scores"].tolist() == [1, 1, 0, 0]
+
+
+@pytest.mark.slow
+def test_sharded_steps_in_a_subprocess_with_8_cpu_devices():
+    run_on_8_devices(__file__)
+
+
+@needs_8
+@pytest.mark.parametrize("how", ["explicit", "auto", "shard_map"])
+def test_sharded_step_on_8_devices(how):
+    """Batch-sharded under jit (explicit or automatic axes) and per device under shard_map:
+    the same loss as unsharded, and a fault corrected once (shard_map: on every device)."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    kind = AxisType.Auto if how == "auto" else AxisType.Explicit
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+    dtype = jnp.bfloat16
+    q, k, v = (
+        jax.random.normal(key, (8, 32, H, D)).astype(dtype)
+        for key in jax.random.split(jax.random.key(0), 3)
+    )
+
+    def whole_step(q, k, v):
+        def loss(q, k, v):
+            return jnp.sum(attend(q, k, v).astype(jnp.float32) ** 2)
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    step = whole_step
+    expected, _ = jax.jit(sdcguard.checked(step))(q, k, v)
+    if how == "shard_map":
+
+        def per_device(q, k, v):
+            value, grads = whole_step(q, k, v)
+            return jax.lax.psum(value, "data"), grads
+
+        step = jax.shard_map(
+            per_device, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data")), check_vma=False
+        )
+    q, k, v = (jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (q, k, v))
+    (scores,) = [s.name for s in sdcguard.list_sites(step, q, k, v) if s.name.endswith(":scores")]
+    clean, report = run_with(None, step, q, k, v)
+    assert all(c.tolist() == [0, 0, 0, 0] for c in report.values())
+    _close(clean[0], expected[0], dtype)
+    (value, grads), report = run_with(
+        FaultPlan.from_faults([Fault(site=scores, kind="inf", index=3)]), step, q, k, v
+    )
+    _close(value, clean[0], dtype)
+    devices_hit = 8 if how == "shard_map" else 1
+    assert report[scores].tolist() == [devices_hit, devices_hit, 0, 0]
+    for g, c in zip(grads, clean[1], strict=True):
+        _close(g, c, dtype)

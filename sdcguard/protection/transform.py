@@ -336,6 +336,24 @@ def _add(total: dict, more: dict) -> dict:
     return out
 
 
+def _explicit_mesh(aval):
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    return mesh if sharding.has_explicit_axes(mesh) else None
+
+
+def _replicated(x: jax.Array) -> jax.Array:
+    """``x`` whole on every device, where its type says it is sharded over explicit axes."""
+    mesh = _explicit_mesh(jax.typeof(x))
+    if mesh is None:
+        return x
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+def _sharded_as(x: jax.Array, aval) -> jax.Array:
+    """``x`` resharded to ``aval``'s sharding over explicit axes (as it is otherwise)."""
+    return x if _explicit_mesh(aval) is None else jax.sharding.reshard(x, aval.sharding)
+
+
 class _Evaluator:
     """Evaluates jaxprs with every selected dot_general checked, returning the counters."""
 
@@ -462,15 +480,28 @@ class _Evaluator:
         core = self.cores[id(eqn)]
         if core.why:
             return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params)), {}
-        rule = (
-            fused_attention.forward if fused_attention.is_forward(eqn) else fused_attention.backward
-        )
-        outs, counts = rule(eqn, invals, path=core.path, checked=core.checked, config=self.config)
-        if self.sharded:
-            # The kernel runs on whole operands (a pallas_call is not partitioned): its counts
-            # are the same on every device, kept once.
-            counts = {s: sharding.as_rows(c, self.mesh) for s, c in counts.items()}
-            self.per_device.update(counts)
+        forward = fused_attention.is_forward(eqn)
+        rule = fused_attention.forward if forward else fused_attention.backward
+
+        def run(*invals):
+            return rule(eqn, invals, path=core.path, checked=core.checked, config=self.config)
+
+        if not self.sharded:
+            return run(*invals)
+        if sharding.has_explicit_axes(self.mesh):
+            # The kernel is not partitioned: every device computes the whole attention (as
+            # XLA has it under automatic axes, where it replicates the kernel's operands), its
+            # outputs resharded as cuDNN's would be.
+            whole = jax.sharding.PartitionSpec()
+            run = jax.shard_map(
+                run, mesh=self.mesh, in_specs=whole, out_specs=whole, check_vma=False
+            )
+            invals = [_replicated(x) for x in invals]
+        outs, counts = run(*invals)
+        outs = [_sharded_as(x, v.aval) for x, v in zip(outs, eqn.outvars, strict=True)]
+        # Every device computed the same counts: kept once.
+        counts = {s: sharding.as_rows(c, self.mesh) for s, c in counts.items()}
+        self.per_device.update(counts)
         return outs, counts
 
     def _custom_linear_solve(self, eqn, invals):
