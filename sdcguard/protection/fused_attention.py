@@ -14,11 +14,12 @@ Sites (``<path>`` is the attention module's path, named as the XLA path names it
 :func:`sdcguard.protection.naming.name_program`): ``<path>:scores`` (QKᵀ), ``<path>:probs`` (the
 softmax normaliser), ``<path>:context`` (P·V), and from the backward equation
 ``<path>:scores.grad_lhs`` / ``.grad_rhs`` and ``<path>:context.grad_lhs`` / ``.grad_rhs``; fault
-plans address them in the flash kernel's layouts (``[B, H, Tq, Tk]`` for scores and probs,
-``[B, T, H, D]`` for the rest, heads counted on the query's side).
+plans address them in the flash kernel's layouts (``[B, H, Tq, Tk]`` for scores, probs and
+``context.grad_lhs``, ``[B, T, H, D]`` for the rest).
 
-Supported: bfloat16, float16 (and float32) operands; ``mask_type`` NO_MASK or CAUSAL; layout BTNH or
-BNTH; grouped key/value heads (the kernel sees them repeated; their gradients are summed back in
+Supported: bfloat16 and float16 operands (the dtypes cuDNN takes); ``mask_type`` NO_MASK or
+CAUSAL; layout BTNH or BNTH; grouped key/value heads (the kernel sees them repeated to the query's
+heads, so fault plans count heads on the query's side; their gradients are summed back in
 float32). Not supported, and left to cuDNN unchecked (:func:`unsupported` says which parameter, and
 ``list_sites`` shows it): an additive bias (``jax.nn``'s boolean ``mask=`` is passed to cuDNN as
 one), dropout, padding masks (``query_seq_lengths``/``key_value_seq_lengths``), packed sequences,

@@ -47,6 +47,11 @@ Why one module: the forward and backward kernels, their ``custom_vjp`` and the p
 share one tiling and one set of block sizes; as in JAX's own Pallas ops, each kernel sits beside its
 reference.
 
+:func:`flash_attention` is differentiable (a ``custom_vjp``; backward counters through its
+``sink``); :func:`flash_forward` and :func:`flash_backward` are its two passes apart, for a caller
+whose program is already differentiated (``sdcguard.checked`` replacing cuDNN attention,
+:mod:`sdcguard.protection.fused_attention`).
+
 Example:
   >>> out, counts = flash_attention(q, k, v, causal=True, interpret=True)
 """
