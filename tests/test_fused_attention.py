@@ -124,6 +124,21 @@ def test_forward_and_gradients_equal_xla_attention(dtype, causal):
     assert sorted(report) == ["fn:context", "fn:probs", "fn:scores"]
 
 
+def test_the_checked_step_itself_can_be_differentiated():
+    """``jax.grad`` outside ``checked``: the forward is the differentiable flash kernel."""
+    dtype = jnp.bfloat16
+    q, k, v = _qkv(dtype)
+
+    def checked_loss(q, k, v):
+        out, _ = sdcguard.checked(attend)(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * COT)
+
+    grads = jax.jit(jax.grad(checked_loss, argnums=(0, 1, 2)))(q, k, v)
+    ref = jax.grad(loss, argnums=(0, 1, 2))(*_f32(q, k, v), True, "xla")
+    for g, r in zip(grads, ref, strict=True):
+        _close(g, r, dtype)
+
+
 def test_bnth_layout_and_grouped_key_value_heads():
     """The low-level cuDNN entry point with BNTH operands, and jax.nn with one key/value head
     for two query heads (the kernel sees the key/value heads repeated)."""

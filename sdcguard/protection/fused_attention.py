@@ -297,12 +297,17 @@ def forward(eqn, invals, *, path: str, checked: frozenset[str], config: ABFTConf
     layout = _Layout.of(eqn)
     q, k, v = (layout.to_kernel(x) for x in invals[:3])
     k, v = layout.repeat_kv(k), layout.repeat_kv(v)
-    out, lse, counts = flash.flash_forward(
-        q, k, v, **_kernel_args(eqn, invals[0], path, checked, config)
-    )
-    outs = [layout.from_kernel(out).astype(eqn.outvars[0].aval.dtype)]
-    if len(eqn.outvars) > 1:  # is_training: the statistics the backward equation reads
-        outs.append(lse.reshape(eqn.outvars[1].aval.shape))
+    kwargs = _kernel_args(eqn, invals[0], path, checked, config)
+    if len(eqn.outvars) > 1:  # is_training: the backward equation reads the statistics
+        out, lse, counts = flash.flash_forward(q, k, v, **kwargs)
+        stats = [lse.reshape(eqn.outvars[1].aval.shape)]
+    else:
+        # Not differentiated inside the step; the differentiable kernel, so that a caller may
+        # differentiate the checked step itself (its backward checks, and corrects, in the
+        # kernel; their counters are not in this report, as for the GEMMs' backward then).
+        out, counts = flash.flash_attention(q, k, v, **kwargs)
+        stats = []
+    outs = [layout.from_kernel(out).astype(eqn.outvars[0].aval.dtype), *stats]
     report = {
         f"{path}:{s}": counts[i] for i, s in enumerate(FORWARD_SITES) if f"{path}:{s}" in checked
     }
