@@ -33,6 +33,10 @@ The rule, in order:
    ``jax.named_scope`` path if there is one (with linen's root-module class removed, so that it
    reads like rule 1), else the Python call path, as ``scope:function`` (``loss/mlp:dot_general``).
 
+JAX's fused cuDNN attention (one equation, no GEMMs to see) is named as its GEMMs would be in
+XLA: rule 2 over its query, keys and values (``decoder/block_0/attn``), else rule 3; its sites
+(``:scores``, ``:context``, ...) are :mod:`sdcguard.protection.fused_attention`'s.
+
 Where several forward GEMMs get one name (a module called twice, weights tied), the second is
 ``_1``, the third ``_2``, in program order. The backward GEMMs that ``jax.grad`` produced are
 paired with the forward GEMM they differentiate and take its name with ``.grad_lhs`` /
@@ -69,7 +73,17 @@ import jax.numpy as jnp
 from jax._src import source_info_util
 from jax.extend import core as jex_core
 
-__all__ = ["Gemm", "ModulePath", "collect_gemms", "module_of_path", "name_gemms", "sub_jaxprs"]
+__all__ = [
+    "Gemm",
+    "ModulePath",
+    "collect_attention_cores",
+    "collect_gemms",
+    "is_fused_attention",
+    "module_of_path",
+    "name_gemms",
+    "name_program",
+    "sub_jaxprs",
+]
 
 # The frames of sdcguard's own tracing code (transform.py) end where the user's function starts.
 _TRANSFORM_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transform.py")
@@ -339,9 +353,24 @@ def _body_inputs(eqn, body, flows: list[Flow]) -> list[Flow]:
     return [_NOWHERE] * len(body.invars)
 
 
-def _walk(jaxpr, outer: str, flows: Sequence[Flow], found: list[Gemm], same: dict) -> list[Flow]:
+def is_fused_attention(eqn) -> bool:
+    """Whether ``eqn`` is one of JAX's fused (cuDNN) attention primitives, forward or backward
+    (``dot_product_attention_fwd_wrapper``, ``..._bwd_wrapper``, their fp8 forms)."""
+    return eqn.primitive.name.startswith("dot_product_attention")
+
+
+def _walk(
+    jaxpr,
+    outer: str,
+    flows: Sequence[Flow],
+    found: list[Gemm],
+    same: dict,
+    cores: list[Gemm] | None = None,
+) -> list[Flow]:
     """Appends every dot_general of ``jaxpr`` (and its sub-jaxprs) to ``found`` in program order,
-    with where its operands come from; returns where ``jaxpr``'s outputs come from.
+    with where its operands come from; returns where ``jaxpr``'s outputs come from. With
+    ``cores``, appends there every fused attention equation (:func:`is_fused_attention`), its
+    flows those of the query and of the keys and values, its operands the three of them.
 
     ``outer`` is the name stack of the equations that hold ``jaxpr``: the body of a scan keeps
     only its own names, and that it runs in the backward pass (``transpose(...)``) is said by
@@ -365,6 +394,9 @@ def _walk(jaxpr, outer: str, flows: Sequence[Flow], found: list[Gemm], same: dic
             operands = [first(v) for v in eqn.invars[:2]]
             found.append(Gemm(eqn, stack, len(found), ins, operands))
             outs = [Flow(frozenset(), frozenset({len(found) - 1}))]
+        elif cores is not None and is_fused_attention(eqn) and len(eqn.invars) >= 3:
+            operands = [first(v) for v in eqn.invars[:3]]
+            cores.append(Gemm(eqn, stack, len(cores), [ins[0], _union(ins[1:3])], operands))
         elif (
             name in _PASS_THROUGH
             and len(eqn.invars) == len(eqn.outvars) == 1
@@ -376,7 +408,7 @@ def _walk(jaxpr, outer: str, flows: Sequence[Flow], found: list[Gemm], same: dic
                 for i, (inner, v) in enumerate(zip(body.invars, eqn.invars, strict=True)):
                     if not isinstance(v, jex_core.Literal) and not _is_carry(eqn, i):
                         same[inner] = first(v)
-            body_outs = _walk(body, stack, _body_inputs(eqn, body, ins), found, same)
+            body_outs = _walk(body, stack, _body_inputs(eqn, body, ins), found, same, cores)
             if len(body_outs) == len(eqn.outvars):  # not a while's condition
                 outs = (
                     body_outs
@@ -413,12 +445,22 @@ def _keeps_params(eqn, ins: list[Flow]) -> bool:
     )
 
 
-def collect_gemms(jaxpr, outer: str = "", input_flows: Sequence[Flow] = ()) -> list[Gemm]:
-    """Every dot_general of ``jaxpr`` and its sub-jaxprs, in program order."""
+def collect_gemms(
+    jaxpr, outer: str = "", input_flows: Sequence[Flow] = (), cores: list[Gemm] | None = None
+) -> list[Gemm]:
+    """Every dot_general of ``jaxpr`` and its sub-jaxprs, in program order; with ``cores``, the
+    fused attention equations are appended to it (see :func:`_walk`)."""
     found: list[Gemm] = []
     flows = list(input_flows) + [_NOWHERE] * (len(jaxpr.invars) - len(input_flows))
-    _walk(jaxpr, outer, flows, found, {})
+    _walk(jaxpr, outer, flows, found, {}, cores)
     return found
+
+
+def collect_attention_cores(jaxpr) -> list[Gemm]:
+    """Every fused attention equation of ``jaxpr`` and its sub-jaxprs, in program order."""
+    cores: list[Gemm] = []
+    collect_gemms(jaxpr, cores=cores)
+    return cores
 
 
 # --- Naming ---------------------------------------------------------------------------------------
@@ -554,6 +596,49 @@ class _Namer:
 def name_gemms(jaxpr, input_paths: Sequence[str | None] = ()) -> dict[int, tuple[str, str]]:
     """``id(eqn) -> (site name, direction)`` for every dot_general of ``jaxpr``, nested ones too.
 
+    The names of :func:`name_program` (see there).
+    """
+    return name_program(jaxpr, input_paths)[0]
+
+
+def _name_cores(cores: list[Gemm], namer: _Namer) -> dict[int, str]:
+    """``id(eqn) -> module path`` of each fused attention equation.
+
+    The path is the one the attention core's GEMMs would get in XLA (rule 2: the common parent
+    of the modules whose GEMMs produced the query, keys and values, ``layers/0/attn``), else
+    the scope or call path (rule 3), so that choosing cuDNN attention renames no site. Forward
+    cores sharing a path get ``_1``, ``_2`` in program order; a backward core (or a forward one
+    recomputed under remat) takes the name of the forward core that read the same query, keys
+    and values, else its path.
+    """
+
+    def path_of(c: Gemm) -> str:
+        site = namer.by_producers(c)
+        return str(site[0]) if site is not None else namer.by_scope(c).rsplit(":", 1)[0]
+
+    out: dict[int, str] = {}
+    by_operands: dict[tuple, str] = {}
+    used: collections.Counter = collections.Counter()
+    for c in cores:
+        if "fwd" in c.eqn.primitive.name and not c.backward and not c.in_remat:
+            path = path_of(c)
+            name = path if used[path] == 0 else f"{path}_{used[path]}"
+            used[path] += 1
+            by_operands.setdefault(c.operands, name)
+            out.setdefault(id(c.eqn), name)
+    for c in cores:
+        if id(c.eqn) not in out:
+            out[id(c.eqn)] = by_operands.get(c.operands) or path_of(c)
+    return out
+
+
+def name_program(
+    jaxpr, input_paths: Sequence[str | None] = ()
+) -> tuple[dict[int, tuple[str, str]], dict[int, str]]:
+    """``(gemm names, attention core paths)``: ``id(eqn) -> (site name, direction)`` for every
+    dot_general of ``jaxpr``, nested ones too, and ``id(eqn) -> module path`` for every fused
+    attention equation (:func:`is_fused_attention`, named by :func:`_name_cores`).
+
     Args:
       jaxpr: the traced program.
       input_paths: the ``jax.tree_util.keystr`` key path of each of ``jaxpr``'s inputs in
@@ -571,7 +656,8 @@ def name_gemms(jaxpr, input_paths: Sequence[str | None] = ()) -> dict[int, tuple
     flows = [
         Flow(frozenset({i}) if owned[i] else frozenset(), frozenset()) for i in range(len(paths))
     ]
-    gemms = collect_gemms(jaxpr, input_flows=flows)
+    cores: list[Gemm] = []
+    gemms = collect_gemms(jaxpr, input_flows=flows, cores=cores)
     namer = _Namer(gemms, paths)
     is_forward = [not g.backward and not g.in_remat for g in gemms]
     # Forward GEMMs first, then GEMMs of backward rules or of remat alone (no forward GEMM at
@@ -614,4 +700,4 @@ def name_gemms(jaxpr, input_paths: Sequence[str | None] = ()) -> dict[int, tuple
                 side = ("grad_rhs", "grad_lhs")[k % 2]
             name = (f"{name_of[fwd.index]}.{side}", side)
         names.setdefault(id(g.eqn), name)  # one jaxpr called twice: its first call's name
-    return names
+    return names, _name_cores(cores, namer)

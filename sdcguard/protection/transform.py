@@ -6,7 +6,10 @@
 code, so it reaches every GEMM whatever wrote it (Flax linen or NNX, Equinox, plain ``jnp``), inside
 ``jit``, ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp`` bodies and
 ``shard_map``; and when ``fn`` is a training step that calls ``jax.grad``, the backward GEMMs that
-``grad`` produced are ``dot_general`` s of the same program and are checked too.
+``grad`` produced are ``dot_general`` s of the same program and are checked too. Attention that
+JAX runs as one fused cuDNN kernel (``jax.nn.dot_product_attention(implementation="cudnn")``)
+runs through sdcguard's ABFT flash attention, forward and backward
+(:mod:`sdcguard.protection.fused_attention`).
 
 Under sharding each device checks the GEMM it computes, on the blocks it holds: inside ``shard_map``
 and ``pmap`` the program is already per device; under ``jit`` with ``NamedSharding`` (automatic or
@@ -25,7 +28,8 @@ its injection point and its check are :func:`sdcguard.protection.gemm.checked_ge
 Why one module: the transform is one interpreter over a jaxpr, one rule per primitive that can hold
 a GEMM (``pjit``, ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp``,
 ``shard_map``, ``custom_linear_solve``); the rules call each other recursively, so split they
-would still be read as one.
+would still be read as one. The mapping of cuDNN attention onto the flash kernel is not part of
+that recursion and has its own module; the evaluator only dispatches to it.
 
 Example:
   >>> step = sdcguard.checked(train_step)               # same arguments as train_step
@@ -51,7 +55,7 @@ from jax._src import source_info_util
 from jax.extend import core as jex_core
 
 from sdcguard.fault_model import inject
-from sdcguard.protection import checksums, gemm, naming, sharding
+from sdcguard.protection import checksums, fused_attention, gemm, naming, sharding
 from sdcguard.protection.config import NUM_COUNTERS, ABFTConfig, unsafe_checks
 
 __all__ = ["GemmSite", "checked", "list_sites", "total"]
@@ -66,14 +70,17 @@ class GemmSite:
 
     Attributes:
       name: the site name (what fault plans, ``include``/``exclude`` and the report use).
-      direction: ``'forward'``, ``'grad_lhs'`` or ``'grad_rhs'``.
+      direction: ``'forward'``, ``'grad_lhs'`` or ``'grad_rhs'`` (``'backward'`` for the backward
+        equation of a fused attention kernel left unchecked, which holds both).
       lhs_shape, rhs_shape, out_shape: the GEMM's shapes (empty for a fused kernel).
       dtype: the operands' dtype (``'bfloat16'``, or ``'bfloat16 x float32'`` when they differ).
       checked: whether ``checked`` verifies it; then it is in every report of the step.
       why_unchecked: ``''`` when checked, else the reason (``'int8 operands'``, ``'excluded by
         include/exclude'``, ``'inside pallas_call, which sdcguard.checked does not open'``, ...).
       implementation: ``'xla'`` or ``'pallas'`` when checked (see
-        :func:`sdcguard.protection.gemm.implementation_for`), else ``''``.
+        :func:`sdcguard.protection.gemm.implementation_for`), ``'pallas flash attention
+        (mosaic)'`` or ``'(triton)'`` for the sites of cuDNN attention
+        (:mod:`sdcguard.protection.fused_attention`), else ``''``.
     """
 
     name: str
@@ -87,9 +94,11 @@ class GemmSite:
     implementation: str = ""
 
 
-# Primitives that run GEMMs inside one fused kernel (no jaxpr to open): cuDNN attention, custom
-# calls. A step that uses them has GEMMs the transform cannot see; list_sites says so.
-_FUSED_GEMM_PRIMITIVES = ("dot_product_attention", "cudnn", "cublas", "custom_call")
+# Primitives that run GEMMs inside one fused kernel (no jaxpr to open): custom calls, cuBLAS and
+# cuDNN kernels. A step that uses them has GEMMs the transform cannot see; list_sites says so.
+# JAX's cuDNN attention is not among them: it runs through the ABFT flash kernel
+# (:mod:`sdcguard.protection.fused_attention`), or is listed with the reason it cannot.
+_FUSED_GEMM_PRIMITIVES = ("cudnn", "cublas", "custom_call")
 
 
 def _selected(name: str, config: ABFTConfig) -> bool:
@@ -114,6 +123,10 @@ def _why_unchecked(gemm: naming.Gemm, name: str, direction: str, config: ABFTCon
         # Integer and fp8 GEMMs pass through: the checksum model is for floating GEMMs that
         # accumulate in float32 or wider.
         return f"{_dtype_name(gemm)} operands (integer and fp8 GEMMs pass through)"
+    return _why_not_selected(name, direction, config)
+
+
+def _why_not_selected(name: str, direction: str, config: ABFTConfig) -> str:
     if direction == "forward" and not config.forward:
         return "forward GEMMs not selected (forward=False)"
     if direction != "forward" and not config.backward:
@@ -130,7 +143,9 @@ def _not_run_checked(jaxpr) -> dict[int, str]:
     out: dict[int, str] = {}
 
     def all_in(sub, why):
-        out.update({id(g.eqn): why for g in naming.collect_gemms(sub)})
+        cores: list[naming.Gemm] = []
+        out.update({id(g.eqn): why for g in naming.collect_gemms(sub, cores=cores)})
+        out.update({id(c.eqn): why for c in cores})
 
     for eqn in jaxpr.eqns:
         prim = eqn.primitive.name
@@ -163,7 +178,7 @@ def _fused_gemm_sites(jaxpr, outer: str = "") -> list[GemmSite]:
     for eqn in jaxpr.eqns:
         stack = "/".join(p for p in (outer, str(eqn.source_info.name_stack)) if p)
         prim = eqn.primitive.name
-        if any(k in prim for k in _FUSED_GEMM_PRIMITIVES):
+        if any(k in prim for k in _FUSED_GEMM_PRIMITIVES) and not naming.is_fused_attention(eqn):
             where = "/".join(p for p in stack.split("/") if p and "(" not in p) or "fn"
             found.append(
                 GemmSite(
@@ -185,14 +200,73 @@ def _fused_gemm_sites(jaxpr, outer: str = "") -> list[GemmSite]:
     return found
 
 
+class _Core(NamedTuple):
+    """A fused attention equation: where it is, and what runs it."""
+
+    path: str  # the attention module's path (its sites are f"{path}:scores", ...)
+    why: str  # why the flash kernel does not run it ('' when it does)
+    checked: frozenset[str]  # the names of its sites whose checks run
+
+
 class _SiteTable(NamedTuple):
     names: dict[int, tuple[str, str]]  # id(eqn) -> (site name, direction)
     why: dict[int, str]  # id(eqn) -> why it runs unchecked ('' when checked)
     sites: list[GemmSite]  # one per name, in program order
+    cores: dict[int, _Core]  # id(eqn) -> the fused attention equation's sites
+
+
+def _core_table(jaxpr, config: ABFTConfig, paths: dict[int, str], not_run: dict[int, str]):
+    """``(cores, sites)``: each fused attention equation of ``jaxpr`` (``id(eqn) -> _Core``) and
+    the sites ``list_sites`` shows for them: the kernel's sites of an equation the flash kernel
+    runs, else one site named after the primitive, unchecked, saying which parameter stops it."""
+    cores: dict[int, _Core] = {}
+    sites: dict[str, GemmSite] = {}
+    for c in naming.collect_attention_cores(jaxpr):
+        eqn, path, prim = c.eqn, paths[id(c.eqn)], c.eqn.primitive.name
+        dtype = jnp.dtype(eqn.invars[0].aval.dtype).name
+        reason = fused_attention.unsupported(eqn)
+        why = not_run.get(id(eqn), "")
+        if reason:
+            why = (
+                f"cuDNN fused attention ({prim}) with {reason}, which the ABFT flash kernel "
+                "does not run: cuDNN runs it, its GEMMs unchecked; use implementation='xla' "
+                "or the drop-in attention layers"
+            )
+        if why:
+            cores[id(eqn)] = _Core(path, why, frozenset())
+            name = f"{path}:{prim}"
+            out_shape = tuple(eqn.outvars[0].aval.shape)
+            sites.setdefault(name, GemmSite(
+                name=name, direction="forward" if fused_attention.is_forward(eqn) else "backward",
+                lhs_shape=(), rhs_shape=(), out_shape=out_shape, dtype=dtype, checked=False,
+                why_unchecked=why,
+            ))  # fmt: skip
+            continue
+        listed = fused_attention.core_sites(eqn, path)
+        whys = {s.name: _why_not_selected(s.name, s.direction, config) for s in listed}
+        for s in listed:
+            if s.partner and not whys[s.name] and whys[s.partner]:
+                whys[s.name] = (
+                    f"checked only together with {s.partner} (one check of the flash "
+                    f"kernel covers both), which is not selected: {whys[s.partner]}"
+                )
+        checked = frozenset(n for n, w in whys.items() if not w)
+        cores[id(eqn)] = _Core(path, "", checked)
+        implementation = fused_attention.implementation(eqn)
+        for s in listed:
+            site = GemmSite(
+                name=s.name, direction=s.direction, lhs_shape=s.lhs_shape,
+                rhs_shape=s.rhs_shape, out_shape=s.out_shape, dtype=dtype,
+                checked=s.name in checked, why_unchecked=whys[s.name],
+                implementation=implementation if s.name in checked else "",
+            )  # fmt: skip
+            if s.name not in sites or (site.checked and not sites[s.name].checked):
+                sites[s.name] = site
+    return cores, list(sites.values())
 
 
 def _site_table(jaxpr, config: ABFTConfig, input_paths: Sequence[str] = ()) -> _SiteTable:
-    names = naming.name_gemms(jaxpr, input_paths)
+    names, core_paths = naming.name_program(jaxpr, input_paths)
     not_run = _not_run_checked(jaxpr)
     implementation = "pallas" if config.implementation == "pallas" else "xla"
     why_by_eqn: dict[int, str] = {}
@@ -215,8 +289,9 @@ def _site_table(jaxpr, config: ABFTConfig, input_paths: Sequence[str] = ()) -> _
         # A name some of whose GEMMs are checked is a checked site (it is in the report).
         if name not in sites or (site.checked and not sites[name].checked):
             sites[name] = site
-    listed = list(sites.values()) + _fused_gemm_sites(jaxpr)
-    return _SiteTable(names, why_by_eqn, listed)
+    cores, core_sites = _core_table(jaxpr, config, core_paths, not_run)
+    listed = list(sites.values()) + core_sites + _fused_gemm_sites(jaxpr)
+    return _SiteTable(names, why_by_eqn, listed, cores)
 
 
 def _validate_selection(config: ABFTConfig, names: Sequence[str]) -> None:
@@ -262,12 +337,31 @@ def _add(total: dict, more: dict) -> dict:
     return out
 
 
+def _explicit_mesh(aval):
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    return mesh if sharding.has_explicit_axes(mesh) else None
+
+
+def _replicated(x: jax.Array) -> jax.Array:
+    """``x`` whole on every device, where its type says it is sharded over explicit axes."""
+    mesh = _explicit_mesh(jax.typeof(x))
+    if mesh is None:
+        return x
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+def _sharded_as(x: jax.Array, aval) -> jax.Array:
+    """``x`` resharded to ``aval``'s sharding over explicit axes (as it is otherwise)."""
+    return x if _explicit_mesh(aval) is None else jax.sharding.reshard(x, aval.sharding)
+
+
 class _Evaluator:
     """Evaluates jaxprs with every selected dot_general checked, returning the counters."""
 
     def __init__(self, table: _SiteTable, config: ABFTConfig, mesh=None):
         self.names = table.names
         self.why = table.why
+        self.cores = table.cores
         self.config = config
         self.per_device: set[str] = set()  # sites whose counters are rows per device
         self.manual_axes: frozenset = frozenset()  # of the shard_map being evaluated
@@ -295,10 +389,14 @@ class _Evaluator:
     def sites_in(self, jaxpr) -> list[str]:
         """The checked sites of ``jaxpr`` and everything nested in it, in a fixed order."""
         out = []
-        for g in naming.collect_gemms(jaxpr):
+        cores: list[naming.Gemm] = []
+        for g in naming.collect_gemms(jaxpr, cores=cores):
             name, _ = self.names[id(g.eqn)]
             if not self.why[id(g.eqn)] and name not in out:
                 out.append(name)
+        for c in cores:
+            checked = self.cores[id(c.eqn)].checked
+            out += [n for n in sorted(checked) if n not in out]
         return out
 
     def run(self, jaxpr, consts: Sequence, args: Sequence) -> tuple[list, dict]:
@@ -330,6 +428,8 @@ class _Evaluator:
         return [read(v) for v in jaxpr.outvars], counts
 
     def eqn(self, eqn, invals):
+        if naming.is_fused_attention(eqn):
+            return self._fused_attention(eqn, invals)
         rule = getattr(self, "_" + eqn.primitive.name, None)
         if rule is not None:
             return rule(eqn, invals)
@@ -375,6 +475,35 @@ class _Evaluator:
                 counts = sharding.as_rows(jnp.sum(counts, axis=0), self.mesh)
             self.per_device.add(name)
         return out, {name: counts}
+
+    # cuDNN attention: through the ABFT flash kernel where it can run it, else as it is.
+    def _fused_attention(self, eqn, invals):
+        core = self.cores[id(eqn)]
+        if core.why:
+            return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params)), {}
+        forward = fused_attention.is_forward(eqn)
+        rule = fused_attention.forward if forward else fused_attention.backward
+
+        def run(*invals):
+            return rule(eqn, invals, path=core.path, checked=core.checked, config=self.config)
+
+        if not self.sharded:
+            return run(*invals)
+        if sharding.has_explicit_axes(self.mesh):
+            # The kernel is not partitioned: every device computes the whole attention (as
+            # XLA has it under automatic axes, where it replicates the kernel's operands), its
+            # outputs resharded as cuDNN's would be.
+            whole = jax.sharding.PartitionSpec()
+            run = jax.shard_map(
+                run, mesh=self.mesh, in_specs=whole, out_specs=whole, check_vma=False
+            )
+            invals = [_replicated(x) for x in invals]
+        outs, counts = run(*invals)
+        outs = [_sharded_as(x, v.aval) for x, v in zip(outs, eqn.outvars, strict=True)]
+        # Every device computed the same counts: kept once.
+        counts = {s: sharding.as_rows(c, self.mesh) for s, c in counts.items()}
+        self.per_device.update(counts)
+        return outs, counts
 
     def _custom_linear_solve(self, eqn, invals):
         # The step is already differentiated: what runs is the solve, on its consts and b.

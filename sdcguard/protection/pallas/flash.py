@@ -47,6 +47,11 @@ Why one module: the forward and backward kernels, their ``custom_vjp`` and the p
 share one tiling and one set of block sizes; as in JAX's own Pallas ops, each kernel sits beside its
 reference.
 
+:func:`flash_attention` is differentiable (a ``custom_vjp``; backward counters through its
+``sink``); :func:`flash_forward` and :func:`flash_backward` are its two passes apart, for a caller
+whose program is already differentiated (``sdcguard.checked`` replacing cuDNN attention,
+:mod:`sdcguard.protection.fused_attention`).
+
 Example:
   >>> out, counts = flash_attention(q, k, v, causal=True, interpret=True)
 """
@@ -829,6 +834,106 @@ def flash_attention(
     return _flash(st, q, k, v, mask, plan, zero_core_sink() if sink is None else sink)
 
 
+def _unmasked_static(
+    q, k, v, *, causal, sm_scale, config, path, precision, block_sizes, interpret, kernel
+) -> _Static:
+    interpret = resolve_interpret(interpret)
+    return _Static(
+        kernel=_choose_kernel(kernel, q, k, v, None, block_sizes, interpret, causal=bool(causal)),
+        causal=bool(causal),
+        sm_scale=float(sm_scale),
+        config=config,
+        path=path,
+        precision=precision,
+        block_sizes=block_sizes,
+        interpret=interpret,
+        mask_shape=None,
+    )
+
+
+def flash_forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    sm_scale: float = 1.0,
+    config: ABFTConfig = DEFAULT_CONFIG,
+    path: str = "attn",
+    plan: inject.FaultPlan | None = None,
+    precision=None,
+    block_sizes: BlockSizes = BlockSizes(),
+    interpret: bool | None = None,
+    kernel: str = "auto",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The forward kernel alone, returning what its backward needs (no mask, no ``custom_vjp``).
+
+    For a caller that differentiates by itself (``sdcguard.checked`` replacing a fused attention
+    primitive whose forward and backward are separate equations of an already differentiated
+    program). Arguments as :func:`flash_attention`'s.
+
+    Returns:
+      ``(out, lse, counts)``: ``out [B, Tq, H, D]``, float32 ``lse [B, H, Tq]`` (the
+      log-sum-exp of each row of scaled scores, the residual :func:`flash_backward` takes) and
+      int32 ``[3, NUM_COUNTERS]`` counts (rows ``scores, probs, context``).
+
+    Example:
+      >>> out, lse, counts = flash_forward(q, k, v, causal=True, sm_scale=0.125)
+      >>> dq, dk, dv, grad_counts = flash_backward(q, k, v, out, lse, d_out, causal=True,
+      ...                                          sm_scale=0.125)
+    """
+    st = _unmasked_static(
+        q, k, v, causal=causal, sm_scale=sm_scale, config=config, path=path,
+        precision=precision, block_sizes=block_sizes, interpret=interpret, kernel=kernel,
+    )  # fmt: skip
+    if plan is None:
+        plan = inject.active_plan(like=q)
+    if plan is not None and plan.num_faults == 0:
+        plan = None
+    return _forward(st, q, k, v, None, plan)
+
+
+def flash_backward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    d_out: jax.Array,
+    *,
+    causal: bool = False,
+    sm_scale: float = 1.0,
+    config: ABFTConfig = DEFAULT_CONFIG,
+    path: str = "attn",
+    plan: inject.FaultPlan | None = None,
+    precision=None,
+    block_sizes: BlockSizes = BlockSizes(),
+    interpret: bool | None = None,
+    kernel: str = "auto",
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The backward kernels alone: gradients of :func:`flash_forward`'s ``out``.
+
+    Args:
+      q, k, v: the forward's inputs; ``out``, ``lse``: its outputs; ``d_out``: the cotangent
+        of ``out`` ``[B, Tq, H, D]``. The rest as :func:`flash_forward`'s (the same values).
+
+    Returns:
+      ``(dq, dk, dv, counts)``: gradients in the dtypes of ``q, k, v`` and int32
+      ``[2, 2, NUM_COUNTERS]`` counts ``[[scores.grad_lhs, scores.grad_rhs],
+      [context.grad_lhs, context.grad_rhs]]``.
+    """
+    st = _unmasked_static(
+        q, k, v, causal=causal, sm_scale=sm_scale, config=config, path=path,
+        precision=precision, block_sizes=block_sizes, interpret=interpret, kernel=kernel,
+    )  # fmt: skip
+    if plan is None:
+        plan = inject.active_plan(like=q)
+    if plan is not None and plan.num_faults == 0:
+        plan = None
+    dq, dk, dv, _, _, counts = _flash_bwd(st, (q, k, v, None, plan, out, lse), (d_out, None))
+    return dq, dk, dv, counts.astype(jnp.int32)
+
+
 def _mosaic_blocks(block_sizes: BlockSizes):
     """The Mosaic GPU kernel's tiles from ``block_sizes`` (None when they do not fit it)."""
     if block_sizes.block_q % 64 or block_sizes.block_k % 64:
@@ -871,6 +976,16 @@ def _choose_kernel(
     compiled_on_hopper = mgpu_flash.on_hopper() and not interpret
     use = reason is None and (mgpu_flash.interpreting() or compiled_on_hopper)
     return "mosaic" if use else "triton"
+
+
+def kernel_for(
+    q, k, v, *, causal: bool = False, block_sizes: BlockSizes = BlockSizes(), interpret=None
+) -> str:
+    """The kernel (``"mosaic"`` or ``"triton"``) that ``kernel="auto"`` runs for these operands
+    (arrays or their shapes and dtypes) without a mask; what ``sdcguard.list_sites`` shows."""
+    return _choose_kernel(
+        "auto", q, k, v, None, block_sizes, resolve_interpret(interpret), causal=causal
+    )
 
 
 def attention_reference(
