@@ -8,7 +8,10 @@ forward+backward of
   (every tile check on, forward and backward);
 - ``abft-unchecked``: the same kernels with no site checked (the cost of the checks is the
   difference);
-- ``triton``: the same call with ``kernel="triton"`` (the Triton-backend kernels).
+- ``triton``: the same call with ``kernel="triton"`` (the Triton-backend kernels);
+- ``checked(cudnn)``: the ``cudnn`` function under :func:`sdcguard.checked` (gradients taken
+  inside it), which runs the ABFT flash kernels in place of cuDNN's: what a user's step with
+  fused attention costs once checked.
 
 Every variant is compiled first, then timed in interleaved rounds (medians; the ratio to cuDNN
 is the median of per-round ratios). Before timing, on the GPU: the ABFT output equals cuDNN's
@@ -37,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 from timing import interleaved, overheads, per_call
 
+import sdcguard
 from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.protection.config import ABFTConfig
 from sdcguard.protection.pallas import flash
@@ -76,6 +80,16 @@ def variants(q, k, v, cot):
             return jnp.sum(f(q, k, v).astype(jnp.float32) * cot)
 
         out[name] = (jax.jit(f), jax.jit(jax.grad(loss, argnums=(0, 1, 2))))
+
+    def cudnn_loss(q, k, v):
+        return jnp.sum(cudnn(q, k, v).astype(jnp.float32) * cot)
+
+    out["checked(cudnn)"] = (
+        jax.jit(lambda q, k, v: sdcguard.checked(cudnn)(q, k, v)[0]),
+        jax.jit(
+            lambda q, k, v: sdcguard.checked(jax.grad(cudnn_loss, argnums=(0, 1, 2)))(q, k, v)[0]
+        ),
+    )
     return out
 
 
