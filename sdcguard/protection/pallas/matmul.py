@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -60,23 +61,69 @@ def uses_kernel(a_dtype, b_dtype) -> bool:
     return jnp.dtype(a_dtype) == jnp.dtype(b_dtype) and jnp.dtype(a_dtype) in SUPPORTED_DTYPES
 
 
+# Programs (CTAs) the kernel runs on in GPU interpret mode: fewer than the tiles, so that the
+# persistent loop over tiles (and the barrier phases it carries from one tile to the next) is
+# interpreted too, and more than one, so that tiles are split between programs as on a GPU.
+INTERPRET_PROGRAMS = 2
+
+# XLA:CPU threads GPU interpret mode needs (see `_interpreting`): the kernel's three warpgroups
+# and the grid loop that waits for them.
+INTERPRETER_POOL_THREADS = 4
+
+
 def _num_sms(interpret: bool, tiles: int) -> int:
     if interpret:
-        # One program per CTA tile: the GPU interpreter of jax 0.10 can deadlock when one
-        # program loops over several tiles whose pipelines use barriers (seen on a loaded
-        # 2-core CPU), so interpret mode does not exercise the persistent loop.
-        return tiles
+        # The interpreter runs programs one after another: the number only decides how the
+        # tiles are shared out (any number is correct on the hardware).
+        return min(tiles, INTERPRET_PROGRAMS)
     abstract = jax.sharding.get_abstract_mesh().abstract_device
     if abstract is not None:  # lowering for a named GPU from elsewhere
         return int(abstract.num_cores)
     return int(jax.devices()[0].core_count)
 
 
+def xla_cpu_pool_threads() -> int:
+    """Threads of XLA:CPU's intra-op pool, as its CPU client sizes it when JAX starts: the
+    ``PJRT_NPROC`` (else ``NPROC``) environment variable when it is an integer, else the CPUs
+    this process may run on."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        try:
+            return max(0, int(os.environ[name]))
+        except (KeyError, ValueError):
+            continue
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 @contextlib.contextmanager
 def _interpreting(interpret: bool):
+    """Runs the kernel traced in the block in Mosaic GPU's interpret mode (when ``interpret``).
+
+    The interpreter (jax 0.10) runs each warpgroup of a CTA as a thread, and a barrier wait as a
+    host callback that blocks until the barrier's phase completes. XLA:CPU executes a program's
+    independent work, callbacks included, on its intra-op thread pool (one thread per CPU,
+    fixed when JAX starts), so a blocked wait holds a pool thread. With fewer pool threads than
+    the three warpgroups plus the grid loop waiting for them, the warpgroup that would complete
+    the barrier (the memory warpgroup's TMA arrival, or the compute warpgroups' release) can
+    stay queued behind the blocked waits, and the call never returns. Measured here: 1 CPU
+    (``taskset -c 0``): every call hung; 2 CPUs: about half; 1 CPU with ``PJRT_NPROC=3`` or
+    more: none. The barrier protocol itself completes in the interpreter's exact phase model.
+    So interpret mode refuses to start with a smaller pool instead of hanging.
+    """
     if not interpret:
         yield
         return
+    pool = xla_cpu_pool_threads()
+    if pool < INTERPRETER_POOL_THREADS:
+        raise RuntimeError(
+            f"Mosaic GPU interpret mode needs at least {INTERPRETER_POOL_THREADS} XLA:CPU pool "
+            f"threads (its warpgroup threads block inside host callbacks), but this process has "
+            f"{pool}: the interpreter would deadlock. Start Python with PJRT_NPROC="
+            f"{INTERPRETER_POOL_THREADS} (or more) in the environment (it is read when JAX "
+            "starts its CPU client), or pass emulate=True to run the kernel's per-tile check as "
+            "jnp."
+        )
     from jax._src.pallas.mosaic_gpu.interpret.params import (
         InterpretGPUParams,
         force_gpu_interpret_mode,
