@@ -7,7 +7,8 @@ Three layers, fastest first:
   :func:`checked_matmul_reference`: values, counters, fault plans, magnitudes, dtypes;
 * the kernel itself lowered for sm_90a from this machine (Pallas -> Mosaic GPU -> layout
   inference -> NVVM-level MLIR, verified), checked and unchecked, with a fault plan;
-* the kernel in Mosaic GPU's interpret mode on the CPU against the emulation (slow).
+* the kernel in Mosaic GPU's interpret mode on the CPU (slow; in a subprocess with an XLA:CPU
+  pool the interpreter can finish with) against the emulation, the XLA path and ``jnp.dot``.
 """
 
 from __future__ import annotations

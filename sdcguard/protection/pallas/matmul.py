@@ -30,7 +30,8 @@ inputs to TF32, and the XLA path already checks float32 GEMMs.
 :func:`sdcguard.protection.checksums.check_contraction`).
 
 Off a GPU the kernel runs in Mosaic GPU's interpret mode (``interpret=None`` picks it): slow,
-for tests.
+for tests, and only with at least :data:`INTERPRETER_POOL_THREADS` XLA:CPU pool threads
+(``PJRT_NPROC=4`` on a machine with fewer CPUs; see :func:`_interpreting`).
 
 Example:
   >>> c, counts = checked_matmul(a, b)   # a: [B, M, K], b: [B, K, N], bf16
@@ -106,10 +107,10 @@ def _interpreting(interpret: bool):
     fixed when JAX starts), so a blocked wait holds a pool thread. With fewer pool threads than
     the three warpgroups plus the grid loop waiting for them, the warpgroup that would complete
     the barrier (the memory warpgroup's TMA arrival, or the compute warpgroups' release) can
-    stay queued behind the blocked waits, and the call never returns. Measured here: 1 CPU
-    (``taskset -c 0``): every call hung; 2 CPUs: about half; 1 CPU with ``PJRT_NPROC=3`` or
-    more: none. The barrier protocol itself completes in the interpreter's exact phase model.
-    So interpret mode refuses to start with a smaller pool instead of hanging.
+    stay queued behind the blocked waits, and the call never returns. Seen with the checked
+    kernel: pinned to 1 CPU (a pool of 1), 5 of 5 calls hung; on 2 CPUs, 5 of 9; pinned to 1 CPU
+    with ``PJRT_NPROC`` 3 to 8, 7 of 7 finished, with the barrier phases the interpreter checks
+    exactly. So interpret mode refuses to start with a smaller pool instead of hanging.
     """
     if not interpret:
         yield
@@ -209,7 +210,9 @@ def checked_matmul(
       faults: the same, already resolved (:func:`matrix_faults`); overrides ``plan``.
       max_recomputed: how many located elements per call are recomputed exactly.
       block_sizes: tiles.
-      interpret: Mosaic GPU interpret mode (default: when the backend is not a GPU).
+      interpret: Mosaic GPU interpret mode (default: when the backend is not a GPU). Raises
+        ``RuntimeError`` when XLA:CPU's thread pool is too small for the interpreter to finish
+        (fewer than :data:`INTERPRETER_POOL_THREADS` threads; set ``PJRT_NPROC``).
       emulate: run :func:`sdcguard.protection.pallas.mgpu_matmul.reference_kernel` instead of
         the kernel: the kernel's per-tile check as plain jnp on an XLA product (fast on a
         CPU; the tests compare the kernel with it).
