@@ -7,15 +7,19 @@ Three layers, fastest first:
   :func:`checked_matmul_reference`: values, counters, fault plans, magnitudes, dtypes;
 * the kernel itself lowered for sm_90a from this machine (Pallas -> Mosaic GPU -> layout
   inference -> NVVM-level MLIR, verified), checked and unchecked, with a fault plan;
-* the kernel in Mosaic GPU's interpret mode on the CPU against the emulation (slow).
+* the kernel in Mosaic GPU's interpret mode on the CPU (slow; in a subprocess with an XLA:CPU
+  pool the interpreter can finish with) against the emulation, the XLA path and ``jnp.dot``.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +33,7 @@ from sdcguard.protection.checksums import Contraction
 from sdcguard.protection.pallas import matmul, mgpu_matmul, verify
 from sdcguard.protection.pallas.mgpu_matmul import BlockSizes
 
+ROOT = str(Path(__file__).resolve().parents[1])
 SMALL = BlockSizes(tile_m=64, tile_n=64, max_concurrent_steps=2)
 SITE = "test/gemm:out"
 # batch, M, K, N: two CTA tiles of rows, three column tiles (the last one padded), and K
@@ -274,45 +279,115 @@ def test_kernel_with_too_much_shared_memory_is_refused():
         jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",))
 
 
+# The kernel in GPU interpret mode runs in a subprocess: the interpreter needs an XLA:CPU pool of
+# at least `matmul.INTERPRETER_POOL_THREADS` threads, sized from PJRT_NPROC when JAX starts (this
+# machine may have fewer CPUs), and a hang must fail the test rather than stall the suite.
 _INTERPRET_SCRIPT = textwrap.dedent(
     """
-    import jax, jax.numpy as jnp, numpy as np
+    import json, sys
+    import jax.numpy as jnp, numpy as np
     from sdcguard.fault_model.inject import Fault, FaultPlan
     from sdcguard.protection.pallas import matmul
     from sdcguard.protection.pallas.mgpu_matmul import BlockSizes
-    small = BlockSizes(tile_m=64, tile_n=64, max_concurrent_steps=2)
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, (1, 128, 128)).astype(jnp.bfloat16)
-    b = jax.random.normal(kb, (1, 128, 128)).astype(jnp.bfloat16)
-    plan = FaultPlan.from_faults([Fault(site="t/g:o", kind="inf", index=1000)], capacity=1)
-    run = lambda emulate: matmul.checked_matmul(
-        a, b, plan=plan, site="t/g:o", block_sizes=small, interpret=True, emulate=emulate)
-    (c, counts), (c_ref, counts_ref) = run(False), run(True)
-    assert counts.tolist() == counts_ref.tolist() == [1, 1, 0, 0], (counts, counts_ref)
-    np.testing.assert_allclose(np.asarray(c, np.float32), np.asarray(c_ref, np.float32),
-                               rtol=2**-7, atol=2**-5)
+    spec = json.loads(sys.argv[1])
+    operands = np.load(sys.argv[2])
+    block_sizes = BlockSizes(**spec["block_sizes"])
+    faults = [Fault(**f) for f in spec["faults"]]
+    plan = FaultPlan.from_faults(faults, capacity=len(faults))
+    results = {}
+    for name in spec["dtypes"]:
+        a = jnp.asarray(operands[name + "/a"]).astype(name)
+        b = jnp.asarray(operands[name + "/b"]).astype(name)
+        run = lambda **kw: matmul.checked_matmul(
+            a, b, site=spec["site"], block_sizes=block_sizes, interpret=True, **kw)
+        c, counts = run(plan=plan)
+        plain, _ = run(check=False)
+        results[name + "/c"] = np.asarray(c, np.float32)
+        results[name + "/counts"] = np.asarray(counts)
+        results[name + "/unchecked"] = np.asarray(plain, np.float32)
+    np.savez(sys.argv[3], **results)
     print("interpret ok")
     """
 )
+# (kind, batch, row, col): a fault at a tile corner (the top-right one of the tile at rows
+# 64-127, columns 64-127 of matrix 0) and one on a tile edge (the bottom edge of the padded
+# last column tile of matrix 1); one per matrix, so the XLA path corrects both too.
+INTERPRET_FAULTS = [("bitflip", 0, 64, 127), ("near_inf", 1, 127, 150)]
+INTERPRET_LIMIT_S = 240
 
 
 @pytest.mark.slow
-def test_kernel_in_gpu_interpret_mode_matches_the_emulation():
-    """The kernel itself, interpreted on the CPU (Mosaic GPU interpret mode): values and
-    counters equal the emulation's with an INF injected into the accumulator.
-
-    Run in a subprocess with a time limit: jax 0.10.2's GPU interpreter can deadlock on a
-    loaded CPU (a barrier wait that never returns); that is reported as an expected failure,
-    never as a pass.
-    """
+def test_kernel_in_gpu_interpret_mode_matches_the_xla_path_and_the_emulation(tmp_path):
+    """The kernel itself, interpreted on the CPU (Mosaic GPU interpret mode; its persistent loop
+    over 2 programs with 3 tiles each, two K panels, padding), checked and unchecked, for both
+    dtypes: counters equal the emulation's and the XLA path's, values equal the emulation's and
+    ``jnp.dot``'s, and the corrupted elements are corrected to the clean ones."""
+    n = SHAPE[3]
+    faults = [
+        Fault(site=SITE, kind=kind, index=(bi * SHAPE[1] + row) * n + col, bit=14)
+        for kind, bi, row, col in INTERPRET_FAULTS
+    ]
+    names = [jnp.dtype(d).name for d in DTYPES]
+    operands = {}
+    for dtype, name in zip(DTYPES, names, strict=True):
+        a, b = _operands(dtype)
+        operands[name + "/a"] = np.asarray(a, np.float32)  # exact: bf16/fp16 fit in float32
+        operands[name + "/b"] = np.asarray(b, np.float32)
+    np.savez(tmp_path / "operands.npz", **operands)
+    spec = {
+        "dtypes": names,
+        "site": SITE,
+        "block_sizes": {"tile_m": SMALL.tile_m, "tile_n": SMALL.tile_n, "max_concurrent_steps": 2},
+        "faults": [
+            {"site": f.site, "kind": f.kind, "index": f.index, "bit": f.bit} for f in faults
+        ],
+    }
+    env = {**os.environ, "PJRT_NPROC": str(matmul.INTERPRETER_POOL_THREADS), "PYTHONPATH": ROOT}
+    args = [json.dumps(spec), str(tmp_path / "operands.npz"), str(tmp_path / "kernel.npz")]
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _INTERPRET_SCRIPT], capture_output=True, text=True, timeout=150
+            [sys.executable, "-c", _INTERPRET_SCRIPT, *args],
+            capture_output=True,
+            text=True,
+            timeout=INTERPRET_LIMIT_S,
+            env=env,
         )
     except subprocess.TimeoutExpired:
-        pytest.xfail("the GPU interpreter did not finish in 150 s (known interpreter deadlock)")
+        pytest.fail(f"the kernel did not finish in GPU interpret mode in {INTERPRET_LIMIT_S} s")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "interpret ok" in done.stdout
+    kernel = np.load(tmp_path / "kernel.npz")
+    plan = _plan(*faults)
+    for dtype, name in zip(DTYPES, names, strict=True):
+        a, b = _operands(dtype)
+        clean = _clean(a, b, dtype)
+        emulated, emulated_counts = _emulated(a, b, plan)
+        _, xla_counts = matmul.checked_matmul_reference(a, b, plan=plan, site=SITE)
+        counts = kernel[name + "/counts"].tolist()
+        assert counts == emulated_counts.tolist() == xla_counts.tolist() == [2, 2, 0, 0], name
+        _assert_close(kernel[name + "/c"], emulated, dtype)
+        _assert_close(kernel[name + "/c"], clean, dtype)
+        for _, bi, row, col in INTERPRET_FAULTS:
+            np.testing.assert_allclose(
+                kernel[name + "/c"][bi, row, col],
+                float(clean[bi, row, col]),
+                rtol=2 ** -jnp.finfo(dtype).nmant,
+                err_msg=f"{name}: element {(bi, row, col)} not corrected",
+            )
+        _assert_close(kernel[name + "/unchecked"], clean, dtype)
+
+
+def test_interpret_mode_refuses_a_pool_that_would_deadlock(monkeypatch):
+    """With fewer XLA:CPU pool threads than the interpreter's threads need, interpret mode
+    raises and says what to set, instead of hanging."""
+    monkeypatch.setenv("PJRT_NPROC", "2")
+    assert matmul.xla_cpu_pool_threads() == 2
+    a, b = _operands(jnp.bfloat16, shape=(1, 128, 64, 64))
+    with pytest.raises(RuntimeError, match="PJRT_NPROC=4"):
+        matmul.checked_matmul(a, b, block_sizes=SMALL, interpret=True)
+    monkeypatch.setenv("PJRT_NPROC", "not a number")
+    monkeypatch.setenv("NPROC", "6")
+    assert matmul.xla_cpu_pool_threads() == 6
 
 
 def test_gpu_bench_script_says_no_gpu_and_exits_0():
