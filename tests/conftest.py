@@ -10,5 +10,10 @@ in ``scripts/`` keep XLA's defaults. Flags already in ``XLA_FLAGS`` come last an
 
 import os
 
+# Mosaic GPU interpret mode (the kernels' tests) blocks XLA:CPU pool threads in barrier waits
+# and needs at least four of them (sdcguard.protection.pallas._common.require_interpreter_pool);
+# the pool is one thread per CPU unless PJRT_NPROC says otherwise, read when JAX starts.
+os.environ.setdefault("PJRT_NPROC", "4")
+
 _FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 os.environ["XLA_FLAGS"] = " ".join([*_FAST_COMPILE, os.environ.get("XLA_FLAGS", "")]).strip()

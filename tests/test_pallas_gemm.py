@@ -30,7 +30,7 @@ from tolerances import TOLERANCES
 from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.protection import abft
 from sdcguard.protection.checksums import Contraction
-from sdcguard.protection.pallas import matmul, mgpu_matmul, verify
+from sdcguard.protection.pallas import _common, matmul, mgpu_matmul, verify
 from sdcguard.protection.pallas.mgpu_matmul import BlockSizes
 
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -280,7 +280,7 @@ def test_kernel_with_too_much_shared_memory_is_refused():
 
 
 # The kernel in GPU interpret mode runs in a subprocess: the interpreter needs an XLA:CPU pool of
-# at least `matmul.INTERPRETER_POOL_THREADS` threads, sized from PJRT_NPROC when JAX starts (this
+# at least `_common.INTERPRETER_POOL_THREADS` threads, sized from PJRT_NPROC when JAX starts (this
 # machine may have fewer CPUs), and a hang must fail the test rather than stall the suite.
 _INTERPRET_SCRIPT = textwrap.dedent(
     """
@@ -342,7 +342,7 @@ def test_kernel_in_gpu_interpret_mode_matches_the_xla_path_and_the_emulation(tmp
             {"site": f.site, "kind": f.kind, "index": f.index, "bit": f.bit} for f in faults
         ],
     }
-    env = {**os.environ, "PJRT_NPROC": str(matmul.INTERPRETER_POOL_THREADS), "PYTHONPATH": ROOT}
+    env = {**os.environ, "PJRT_NPROC": str(_common.INTERPRETER_POOL_THREADS), "PYTHONPATH": ROOT}
     args = [json.dumps(spec), str(tmp_path / "operands.npz"), str(tmp_path / "kernel.npz")]
     try:
         done = subprocess.run(
@@ -381,13 +381,13 @@ def test_interpret_mode_refuses_a_pool_that_would_deadlock(monkeypatch):
     """With fewer XLA:CPU pool threads than the interpreter's threads need, interpret mode
     raises and says what to set, instead of hanging."""
     monkeypatch.setenv("PJRT_NPROC", "2")
-    assert matmul.xla_cpu_pool_threads() == 2
+    assert _common.xla_cpu_pool_threads() == 2
     a, b = _operands(jnp.bfloat16, shape=(1, 128, 64, 64))
     with pytest.raises(RuntimeError, match="PJRT_NPROC=4"):
         matmul.checked_matmul(a, b, block_sizes=SMALL, interpret=True)
     monkeypatch.setenv("PJRT_NPROC", "not a number")
     monkeypatch.setenv("NPROC", "6")
-    assert matmul.xla_cpu_pool_threads() == 6
+    assert _common.xla_cpu_pool_threads() == 6
 
 
 def test_gpu_bench_script_says_no_gpu_and_exits_0():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import os
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -367,3 +368,50 @@ def matrix_counts(flags: jax.Array, axis) -> jax.Array:
     unc = per_matrix[..., 1].reshape(-1)
     upstream = det * (unc == NONFINITE_INPUT)
     return count_outcomes(jnp.sum(det), jnp.sum(det * (unc == 0)), jnp.sum(upstream))
+
+
+# --- Mosaic GPU interpret mode on a CPU ---------------------------------------------------------
+
+# XLA:CPU threads GPU interpret mode needs: a kernel's three warpgroups (two compute, one memory)
+# and the grid loop that waits for them.
+INTERPRETER_POOL_THREADS = 4
+
+
+def xla_cpu_pool_threads() -> int:
+    """Threads of XLA:CPU's intra-op pool, as its CPU client sizes it when JAX starts: the
+    ``PJRT_NPROC`` (else ``NPROC``) environment variable when it is an integer, else the CPUs
+    this process may run on."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        try:
+            return max(0, int(os.environ[name]))
+        except (KeyError, ValueError):
+            continue
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def require_interpreter_pool(*, fallback: str) -> None:
+    """Refuses to start Mosaic GPU interpret mode where it would deadlock.
+
+    The interpreter (jax 0.10) runs each warpgroup of a CTA as a thread, and a barrier wait as a
+    host callback that blocks until the barrier's phase completes. XLA:CPU runs a program's
+    independent work, callbacks included, on its intra-op pool (one thread per CPU, fixed when
+    JAX starts), so a blocked wait holds a pool thread; with fewer pool threads than the
+    warpgroups plus the grid loop, the warpgroup that would complete the barrier can stay queued
+    behind the blocked waits, and the call never returns. Seen with the checked GEMM: pinned to
+    1 CPU, 5 of 5 calls hung; on 2 CPUs, 5 of 9; pinned to 1 CPU with ``PJRT_NPROC`` 3 to 8, 7
+    of 7 finished.
+
+    Args:
+      fallback: what the caller can do instead, for the error message.
+    """
+    pool = xla_cpu_pool_threads()
+    if pool < INTERPRETER_POOL_THREADS:
+        raise RuntimeError(
+            f"Mosaic GPU interpret mode needs at least {INTERPRETER_POOL_THREADS} XLA:CPU pool "
+            f"threads (its warpgroup threads block inside host callbacks), but this process has "
+            f"{pool}: the interpreter would deadlock. Start Python with PJRT_NPROC="
+            f"{INTERPRETER_POOL_THREADS} (or more) in the environment (it is read when JAX "
+            f"starts its CPU client), or {fallback}."
+        )

@@ -30,7 +30,7 @@ inputs to TF32, and the XLA path already checks float32 GEMMs.
 :func:`sdcguard.protection.checksums.check_contraction`).
 
 Off a GPU the kernel runs in Mosaic GPU's interpret mode (``interpret=None`` picks it): slow,
-for tests, and only with at least :data:`INTERPRETER_POOL_THREADS` XLA:CPU pool threads
+for tests, and only with at least four XLA:CPU pool threads
 (``PJRT_NPROC=4`` on a machine with fewer CPUs; see :func:`_interpreting`).
 
 Example:
@@ -40,7 +40,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import os
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +49,12 @@ from sdcguard.fault_model import inject
 from sdcguard.protection.checksums import Contraction, check_contraction
 from sdcguard.protection.config import ABFTConfig, zero_counts
 from sdcguard.protection.pallas import mgpu_matmul, verify
-from sdcguard.protection.pallas._common import cdiv, resolve_interpret, site_fault_index
+from sdcguard.protection.pallas._common import (
+    cdiv,
+    require_interpreter_pool,
+    resolve_interpret,
+    site_fault_index,
+)
 from sdcguard.protection.pallas.mgpu_matmul import SUPPORTED_DTYPES, BlockSizes
 
 CANONICAL = Contraction("bmk", "bkn", "bmn")
@@ -67,10 +71,6 @@ def uses_kernel(a_dtype, b_dtype) -> bool:
 # interpreted too, and more than one, so that tiles are split between programs as on a GPU.
 INTERPRET_PROGRAMS = 2
 
-# XLA:CPU threads GPU interpret mode needs (see `_interpreting`): the kernel's three warpgroups
-# and the grid loop that waits for them.
-INTERPRETER_POOL_THREADS = 4
-
 
 def _num_sms(interpret: bool, tiles: int) -> int:
     if interpret:
@@ -83,48 +83,15 @@ def _num_sms(interpret: bool, tiles: int) -> int:
     return int(jax.devices()[0].core_count)
 
 
-def xla_cpu_pool_threads() -> int:
-    """Threads of XLA:CPU's intra-op pool, as its CPU client sizes it when JAX starts: the
-    ``PJRT_NPROC`` (else ``NPROC``) environment variable when it is an integer, else the CPUs
-    this process may run on."""
-    for name in ("PJRT_NPROC", "NPROC"):
-        try:
-            return max(0, int(os.environ[name]))
-        except (KeyError, ValueError):
-            continue
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 @contextlib.contextmanager
 def _interpreting(interpret: bool):
-    """Runs the kernel traced in the block in Mosaic GPU's interpret mode (when ``interpret``).
-
-    The interpreter (jax 0.10) runs each warpgroup of a CTA as a thread, and a barrier wait as a
-    host callback that blocks until the barrier's phase completes. XLA:CPU executes a program's
-    independent work, callbacks included, on its intra-op thread pool (one thread per CPU,
-    fixed when JAX starts), so a blocked wait holds a pool thread. With fewer pool threads than
-    the three warpgroups plus the grid loop waiting for them, the warpgroup that would complete
-    the barrier (the memory warpgroup's TMA arrival, or the compute warpgroups' release) can
-    stay queued behind the blocked waits, and the call never returns. Seen with the checked
-    kernel: pinned to 1 CPU (a pool of 1), 5 of 5 calls hung; on 2 CPUs, 5 of 9; pinned to 1 CPU
-    with ``PJRT_NPROC`` 3 to 8, 7 of 7 finished, with the barrier phases the interpreter checks
-    exactly. So interpret mode refuses to start with a smaller pool instead of hanging.
-    """
+    """Runs the kernel traced in the block in Mosaic GPU's interpret mode (when ``interpret``),
+    which needs a large enough XLA:CPU pool (see
+    :func:`~sdcguard.protection.pallas._common.require_interpreter_pool`)."""
     if not interpret:
         yield
         return
-    pool = xla_cpu_pool_threads()
-    if pool < INTERPRETER_POOL_THREADS:
-        raise RuntimeError(
-            f"Mosaic GPU interpret mode needs at least {INTERPRETER_POOL_THREADS} XLA:CPU pool "
-            f"threads (its warpgroup threads block inside host callbacks), but this process has "
-            f"{pool}: the interpreter would deadlock. Start Python with PJRT_NPROC="
-            f"{INTERPRETER_POOL_THREADS} (or more) in the environment (it is read when JAX "
-            "starts its CPU client), or pass emulate=True to run the kernel's per-tile check as "
-            "jnp."
-        )
+    require_interpreter_pool(fallback="pass emulate=True to run the kernel's per-tile check as jnp")
     from jax._src.pallas.mosaic_gpu.interpret.params import (
         InterpretGPUParams,
         force_gpu_interpret_mode,
@@ -212,7 +179,7 @@ def checked_matmul(
       block_sizes: tiles.
       interpret: Mosaic GPU interpret mode (default: when the backend is not a GPU). Raises
         ``RuntimeError`` when XLA:CPU's thread pool is too small for the interpreter to finish
-        (fewer than :data:`INTERPRETER_POOL_THREADS` threads; set ``PJRT_NPROC``).
+        (fewer than four threads; set ``PJRT_NPROC``).
       emulate: run :func:`sdcguard.protection.pallas.mgpu_matmul.reference_kernel` instead of
         the kernel: the kernel's per-tile check as plain jnp on an XLA product (fast on a
         CPU; the tests compare the kernel with it).

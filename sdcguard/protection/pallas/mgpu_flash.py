@@ -96,6 +96,7 @@ from sdcguard.protection.pallas._common import (
     FaultTable,
     corrupt_tile,
     matrix_counts,
+    require_interpreter_pool,
 )
 
 # Masked scores (a user mask): a large finite negative, as Flax's finfo.min, so a fully masked
@@ -176,6 +177,7 @@ def gpu_interpret_mode() -> Iterator[None]:
         force_gpu_interpret_mode,
     )
 
+    require_interpreter_pool(fallback="run the flash kernels with kernel='triton'")
     with as_h100(), force_gpu_interpret_mode(InterpretGPUParams()):
         yield
 
