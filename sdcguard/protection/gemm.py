@@ -143,9 +143,10 @@ def checked_gemm(
             check=check,
             precision=precision,
             preferred_element_type=preferred_element_type,
-            # Off a GPU the kernel's own tile check runs as jnp: jax 0.10's GPU interpreter
-            # deadlocks intermittently on the warp-specialised kernel (pallas.interpret_mode
-            # (False) still lowers the kernel itself, for CUDA).
+            # Off a GPU the kernel's own tile check runs as jnp: the GPU interpreter takes
+            # seconds per call and blocks XLA:CPU threads inside an enclosing program, and a
+            # step calls many GEMMs (pallas.interpret_mode(False) still lowers the kernel itself,
+            # for CUDA; the kernel's tests interpret it).
             emulate=pallas.resolve_interpret(None),
         )
     a, b = as_stored(a), as_stored(b)
