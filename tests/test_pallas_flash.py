@@ -291,7 +291,8 @@ MAGNITUDES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+# fp16 interprets the same kernels as bf16 with a narrower range: slow (suite budget).
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
 def test_mosaic_clean_runs_raise_no_alarm_across_magnitudes(dtype):
     """Three batch elements at scores from ~1e-5 to ~1e3 and values from 1e-30 to 1e30 (bf16)
     or 1e-3 to 3e3 (fp16): no false alarm, values equal the reference."""
@@ -342,7 +343,12 @@ def test_mosaic_faults_in_several_tiles_are_corrected_or_counted():
     assert np.isfinite(np.asarray(out, np.float32)).all()
 
 
-@pytest.mark.parametrize("correct", [True, False], ids=["in_place", "detect_only"])
+# Detection only is the in-place run without its repair: slow (suite budget).
+@pytest.mark.parametrize(
+    "correct",
+    [True, pytest.param(False, marks=pytest.mark.slow)],
+    ids=["in_place", "detect_only"],
+)
 def test_mosaic_counters_equal_the_xla_path(correct):
     """Head 0 has a NaN in its query (nonfinite_input, never "corrected"); head 1 an INF score
     and a near-INF context element: the counters are the XLA path's, in place and detect-only."""
