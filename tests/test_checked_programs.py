@@ -202,6 +202,11 @@ def test_shard_map_adds_one_reduction_on_8_devices(mesh_shape):
     assert int(report[site][0]) == 3 * mesh_shape[0] * mesh_shape[1]
     assert int(report[site][0]) == int(report[site][1])
     assert_close(out[1], expected[1], jnp.float32)
+    # Recompute mode: the per-device counters go through the loop stacked, and the step
+    # computed again is clean.
+    out, report = run_with(only(site, index=5), step, W, x, config=ABFTConfig(recompute=True))
+    np.testing.assert_array_equal(report[site], [3 * mesh_shape[0] * mesh_shape[1]] * 2 + [0, 0])
+    assert_close(out[1], expected[1], jnp.float32)
 
 
 @needs_8
