@@ -255,7 +255,9 @@ def _gemv(x, x_letters: str, t, t_letters: str, contracted: str, kept: str):
 # (|e| <= 126), so a scale is never flushed to zero.
 _F32_MANTISSA_BITS = 23
 _MAX_BIASED_EXPONENT = 252  # e = 126 for the largest m
-_LARGEST_SCALE = 2.0**126  # power_of_two_below of the smallest m (and of subnormal m)
+# power_of_two_below of subnormal m, the largest it gives; also the scale of an all-zero matrix
+# (any power of two is exact there).
+_LARGEST_SCALE = 2.0**126
 
 
 def power_of_two_below(m: jax.Array) -> jax.Array:
@@ -727,25 +729,13 @@ def check_contraction(
     bad = per_matrix(bad_row)
     row = jnp.argmax(bad, axis=-1).astype(jnp.uint32)
 
-    # The flagged row's numbers, gathered together (one gather, not one per number).
-    numbers = jnp.stack(
-        [
-            per_matrix(x)
-            for x in (
-                deviation,
-                rows.weighted_sum - rows.weighted_ref,
-                rows.ref,
-                rows.base_threshold,
-                rows.magnitude,
-            )
-        ],
-        axis=-1,
-    )  # [batch..., rows, 5]
-    numbers = jnp.take_along_axis(
-        numbers, row[..., None, None], axis=-2, mode="promise_in_bounds"
-    ).reshape(n_batch, 5)
-    dev, wdev, ref, base_threshold, magnitude = numbers.T
-    bound = _element_bound(magnitude, n_line)
+    def at_row(x):
+        x = jnp.take_along_axis(per_matrix(x), row[..., None], axis=-1, mode="promise_in_bounds")
+        return x[..., 0].reshape(-1)
+
+    dev, wdev = at_row(deviation), at_row(rows.weighted_sum - rows.weighted_ref)
+    ref, base_threshold = at_row(rows.ref), at_row(rows.base_threshold)
+    bound = _element_bound(at_row(rows.magnitude), n_line)
     scale = rows.scale.reshape(-1)
     # The flagged row of C itself, one per matrix ([n_batch, N]): everything below works on it.
     matrix_at = {

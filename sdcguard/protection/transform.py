@@ -44,7 +44,6 @@ import dataclasses
 import difflib
 import fnmatch
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -53,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jex_core
+from jax.flatten_util import ravel_pytree
 
 from sdcguard.fault_model import inject
 from sdcguard.protection import checksums, fused_attention, gemm, naming, sharding
@@ -760,25 +760,6 @@ def _run_checked(program: _Program, config: ABFTConfig) -> tuple[list, Report]:
     return outs, _reduce(counts, evaluator.per_device, evaluator.mesh)
 
 
-class _Stacking(NamedTuple):
-    """The sites of a report and their counters' shapes: a report as one int32
-    ``[rows, NUM_COUNTERS]`` array and back. The recompute loop carries and merges counters
-    stacked: site by site, XLA copies each decision (a sum over every site) into every site's
-    fusion, ~100 lines of program per site."""
-
-    shapes: dict[str, tuple[int, ...]]
-
-    def stack(self, report: Report) -> jax.Array:
-        return jnp.concatenate([report[s].reshape(-1, NUM_COUNTERS) for s in self.shapes])
-
-    def unstack(self, stacked: jax.Array) -> Report:
-        sizes = [math.prod(shape) // NUM_COUNTERS for shape in self.shapes.values()]
-        pieces = jnp.split(stacked, np.cumsum(sizes)[:-1].tolist())
-        return {
-            s: p.reshape(shape) for (s, shape), p in zip(self.shapes.items(), pieces, strict=True)
-        }
-
-
 def _merge_recomputed(first: jax.Array, second: jax.Array, trips) -> jax.Array:
     """Stacked counters after a step computed ``trips`` times (1 or 2): the first
     computation's after one; after two, those of the recomputation if it detected anything,
@@ -804,16 +785,28 @@ def _run_recomputing(program: _Program, config: ABFTConfig) -> tuple[list, Repor
         with inject.faults(_first_trip_only(plan, trip)):
             return _run_checked(program, detect_only)
 
-    outs_shape, report_shape = jax.eval_shape(lambda: attempt(jnp.int32(0)))
+    # The step traced once, run by the loop's body: evaluating it twice (for the loop's first
+    # carry, then as the body) would trace every check of the step twice.
+    closed, (outs_shape, report_shape) = jax.make_jaxpr(attempt, return_shape=True)(jnp.int32(0))
+    tree = jax.tree.structure((outs_shape, report_shape))
+
+    def run(trip):
+        return jax.tree.unflatten(tree, jax.core.eval_jaxpr(closed.jaxpr, closed.consts, trip))
+
     if not report_shape:
         # Nothing is checked: nothing can call for a second computation.
-        return attempt(jnp.int32(0))
-    stacking = _Stacking({s: a.shape for s, a in report_shape.items()})
+        return run(jnp.int32(0))
+    # The counters travel stacked, one [sites, NUM_COUNTERS] array: site by site, XLA copies
+    # each decision on them (a sum over every site) into every site's fusion.
+    flat0, unravel = ravel_pytree({s: _placeholder(a) for s, a in report_shape.items()})
+
+    def stacked(report):
+        return ravel_pytree(report)[0].reshape(-1, NUM_COUNTERS)
 
     def again(carry):
         trip, _, first, _ = carry
-        outs, report = attempt(trip)
-        now = stacking.stack(report)
+        outs, report = run(trip)
+        now = stacked(report)
         # The first trip's counters are kept to say what the recomputation corrected.
         return trip + 1, outs, jnp.where(trip == 0, now, first), now
 
@@ -822,11 +815,11 @@ def _run_recomputing(program: _Program, config: ABFTConfig) -> tuple[list, Repor
         return (trip == 0) | ((trip == 1) & (jnp.sum(unsafe_checks(first)) > 0))
 
     outs0 = [_placeholder(a) for a in outs_shape]
-    counts0 = _placeholder(jax.eval_shape(stacking.stack, report_shape))
+    counts0 = flat0.reshape(-1, NUM_COUNTERS)
     trips, outs, first, last = jax.lax.while_loop(
         go_on, again, (jnp.int32(0), outs0, counts0, counts0)
     )
-    return outs, stacking.unstack(_merge_recomputed(first, last, trips))
+    return outs, unravel(_merge_recomputed(first, last, trips).reshape(-1))
 
 
 def checked(fn: Callable, config: ABFTConfig | None = None) -> Callable:

@@ -814,32 +814,34 @@ def flash_attention(
         hm = heads if mask.shape[1] != 1 else 1
         mask = jnp.broadcast_to(mask, (bm, hm, tq, tk)).astype(jnp.int8)
         mask_shape = (bm, hm)
-    if plan is None:
-        plan = inject.active_plan(like=q)
-    if plan is not None and plan.num_faults == 0:
-        plan = None
-    st = _Static(
-        kernel=_choose_kernel(
-            kernel, q, k, v, mask, block_sizes, resolve_interpret(interpret), causal=bool(causal)
-        ),
-        causal=bool(causal),
-        sm_scale=float(sm_scale),
-        config=config,
-        path=path,
-        precision=precision,
-        block_sizes=block_sizes,
-        interpret=resolve_interpret(interpret),
-        mask_shape=mask_shape,
-    )
+    st = _static(
+        q, k, v, mask, mask_shape, causal=causal, sm_scale=sm_scale, config=config, path=path,
+        precision=precision, block_sizes=block_sizes, interpret=interpret, kernel=kernel,
+    )  # fmt: skip
+    plan = _plan_for(plan, q)
     return _flash(st, q, k, v, mask, plan, zero_core_sink() if sink is None else sink)
 
 
-def _unmasked_static(
-    q, k, v, *, causal, sm_scale, config, path, precision, block_sizes, interpret, kernel
+def _static(
+    q,
+    k,
+    v,
+    mask,
+    mask_shape,
+    *,
+    causal,
+    sm_scale,
+    config,
+    path,
+    precision,
+    block_sizes,
+    interpret,
+    kernel,
 ) -> _Static:
+    """The static settings of one call (the kernel chosen for these operands)."""
     interpret = resolve_interpret(interpret)
     return _Static(
-        kernel=_choose_kernel(kernel, q, k, v, None, block_sizes, interpret, causal=bool(causal)),
+        kernel=_choose_kernel(kernel, q, k, v, mask, block_sizes, interpret, causal=bool(causal)),
         causal=bool(causal),
         sm_scale=float(sm_scale),
         config=config,
@@ -847,8 +849,15 @@ def _unmasked_static(
         precision=precision,
         block_sizes=block_sizes,
         interpret=interpret,
-        mask_shape=None,
+        mask_shape=mask_shape,
     )
+
+
+def _plan_for(plan: inject.FaultPlan | None, q) -> inject.FaultPlan | None:
+    """The faults to inject: ``plan``, else the active one; None when it holds no fault."""
+    if plan is None:
+        plan = inject.active_plan(like=q)
+    return None if plan is not None and plan.num_faults == 0 else plan
 
 
 def flash_forward(
@@ -882,14 +891,11 @@ def flash_forward(
       >>> dq, dk, dv, grad_counts = flash_backward(q, k, v, out, lse, d_out, causal=True,
       ...                                          sm_scale=0.125)
     """
-    st = _unmasked_static(
-        q, k, v, causal=causal, sm_scale=sm_scale, config=config, path=path,
+    st = _static(
+        q, k, v, None, None, causal=causal, sm_scale=sm_scale, config=config, path=path,
         precision=precision, block_sizes=block_sizes, interpret=interpret, kernel=kernel,
     )  # fmt: skip
-    if plan is None:
-        plan = inject.active_plan(like=q)
-    if plan is not None and plan.num_faults == 0:
-        plan = None
+    plan = _plan_for(plan, q)
     return _forward(st, q, k, v, None, plan)
 
 
@@ -922,14 +928,11 @@ def flash_backward(
       ``[2, 2, NUM_COUNTERS]`` counts ``[[scores.grad_lhs, scores.grad_rhs],
       [context.grad_lhs, context.grad_rhs]]``.
     """
-    st = _unmasked_static(
-        q, k, v, causal=causal, sm_scale=sm_scale, config=config, path=path,
+    st = _static(
+        q, k, v, None, None, causal=causal, sm_scale=sm_scale, config=config, path=path,
         precision=precision, block_sizes=block_sizes, interpret=interpret, kernel=kernel,
     )  # fmt: skip
-    if plan is None:
-        plan = inject.active_plan(like=q)
-    if plan is not None and plan.num_faults == 0:
-        plan = None
+    plan = _plan_for(plan, q)
     dq, dk, dv, _, _, counts = _flash_bwd(st, (q, k, v, None, plan, out, lse), (d_out, None))
     return dq, dk, dv, counts.astype(jnp.int32)
 
