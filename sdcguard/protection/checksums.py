@@ -218,8 +218,8 @@ def _contiguous(x_letters: str, letters: str) -> bool:
     return bool(at) and at == list(range(at[0], at[-1] + 1))
 
 
-def products_as_dot(x_letters: str, ct: Contraction) -> bool:
-    """Whether the checksum products of ``x`` (letters ``x_letters``) run as a ``dot``.
+def products_as_dot(x_letters: str, ct: Contraction, dtype=jnp.float32) -> bool:
+    """Whether the checksum products of ``x`` (letters ``x_letters``, ``dtype``) run as a ``dot``.
 
     XLA:CPU runs a matrix-vector dot fast only as a plain batched GEMV: x's batch axes leading
     and one contracted axis. Contracted axes that are adjacent in ``x`` (a projection's heads and
@@ -228,14 +228,22 @@ def products_as_dot(x_letters: str, ct: Contraction) -> bool:
     that are not adjacent would need a transpose of ``x``, and as a dot over several axes
     XLA:CPU is slower than the product and reduction, which it fuses into one pass over ``x``
     (``scripts/bench_checksum_products.py`` times both).
+
+    A bf16 or fp16 ``x`` always takes the reduction: the float32 GEMV would first write a float32
+    copy of ``x`` and read it (three times the bytes of one read of ``x`` as stored), where the
+    reduction reads ``x`` once, converting as it goes. That is the pass a GPU makes too.
     """
+    if jnp.dtype(dtype).itemsize < 4:
+        return False
     batch_leads = x_letters.startswith("".join(c for c in x_letters if c in ct.batch))
     return batch_leads and _contiguous(x_letters, ct.contracted)
 
 
 def _gemv(x, x_letters: str, t, t_letters: str, contracted: str, kept: str):
-    """``einsum(x, t -> kept)`` over the ``contracted`` letters, as one matrix-vector dot where
-    those letters are adjacent in ``x`` (merged by a reshape of ``x``, a transpose of ``t``)."""
+    """``einsum(x, t -> kept)`` over the ``contracted`` letters, float32, as one matrix-vector
+    dot where those letters are adjacent in ``x`` (merged by a reshape of ``x``, a transpose of
+    ``t``)."""
+    x = x.astype(jnp.float32)
     hi = jax.lax.Precision.HIGHEST
     if len(contracted) < 2 or not _contiguous(x_letters, contracted):
         return jnp.einsum(f"{x_letters},{t_letters}->{kept}", x, t, precision=hi)
@@ -276,6 +284,26 @@ def power_of_two_below(m: jax.Array) -> jax.Array:
     scale = lax.bitcast_convert_type((253 - biased) << _F32_MANTISSA_BITS, jnp.float32)
     usable = jnp.isfinite(m) & (m > 0)
     return jnp.where(usable, scale, jnp.ones_like(m))
+
+
+def _reduce_together(terms: dict[str, tuple[str, jax.Array]], axes) -> dict[str, jax.Array]:
+    """Sums and maxima of float32 arrays of one shape over ``axes``, as one variadic reduction.
+
+    ``terms`` maps a name to ``("sum" | "max", array)``. The arrays are elementwise functions of
+    one tensor (``c``, ``|c|``, ``w·c``); one reduction with several outputs is one pass over
+    that tensor, its elementwise work fused in. Separate reductions are separate passes, and
+    XLA:CPU writes each one's elementwise input out in full before reducing it.
+    """
+    names = list(terms)
+    kinds = [terms[n][0] for n in names]
+    init = tuple(np.float32(0.0 if k == "sum" else -np.inf) for k in kinds)
+
+    def combine(x, y):
+        both = zip(kinds, x, y, strict=True)
+        return tuple(lax.add(p, q) if k == "sum" else lax.max(p, q) for k, p, q in both)
+
+    out = lax.reduce(tuple(terms[n][1] for n in names), init, combine, tuple(axes))
+    return dict(zip(names, out, strict=True))
 
 
 def _contract_with_line_sums(
@@ -322,10 +350,15 @@ def _contract_with_line_sums(
       the letters ``ct.batch``.
     """
     f32 = jnp.float32
-    x, other = x.astype(f32), other.astype(f32)
+    other = other.astype(f32)
     summed_axes = axes_of(other_letters, summed_letters)
     v_letters = "".join(c for c in other_letters if c not in summed_letters)
-    w = jnp.sum(jnp.abs(other), axis=summed_axes)
+    # One pass over ``other`` for its line sums, of |other|, and weighted.
+    line_terms = {"v": ("sum", other), "w": ("sum", jnp.abs(other))}
+    if weights is not None:
+        line_terms["v_weighted"] = ("sum", other * weights.astype(f32))
+    sums = _reduce_together(line_terms, summed_axes)
+    w = sums["w"]
     # One power of two per matrix of the batch, from the largest |B|e of that matrix: the
     # smallest of the entries' powers of two (the same number, as the power of two falls as
     # |B|e grows). Taken as a reduction, the scale is computed once: as an elementwise function
@@ -334,7 +367,7 @@ def _contract_with_line_sums(
     entry_scales = jnp.where(w > 0, power_of_two_below(w), _LARGEST_SCALE)
     scale_v = jnp.min(entry_scales, axis=axes_of(v_letters, ct.contracted))  # batch_in_v
     on_v = scale_v.reshape([w.shape[i] if c in ct.batch else 1 for i, c in enumerate(v_letters)])
-    v = jnp.sum(other, axis=summed_axes) * on_v
+    v = sums["v"] * on_v
     w = w * on_v
     contracted_axes = axes_of(x_letters, ct.contracted)
     kept = "".join(c for c in x_letters if c not in ct.contracted)
@@ -346,32 +379,40 @@ def _contract_with_line_sums(
         return jnp.transpose(t, [v_letters.index(c) for c in order]).reshape(shape)
 
     if as_dot is None:
-        as_dot = products_as_dot(x_letters, ct)
+        as_dot = products_as_dot(x_letters, ct, x.dtype)
 
-    def line_products(t):
-        if as_dot:
-            return _gemv(x, x_letters, t, v_letters, ct.contracted, kept)
-        return jnp.sum(x * along_x(t), axis=contracted_axes)
-
-    if weights is None:
-        ref = line_products(v)
-    else:
-        v_weighted = jnp.sum(other * weights.astype(f32), axis=summed_axes) * on_v
-        if as_dot:
+    if as_dot:
+        if weights is None:
+            ref = _gemv(x, x_letters, v, v_letters, ct.contracted, kept)
+        else:
             # One matrix-vector product with two vectors: one read of x for both.
             pair = next(c for c in string.ascii_letters if c not in x_letters + v_letters)
-            both = jnp.stack([v, v_weighted], axis=-1)  # letters v_letters + pair
+            both = jnp.stack([v, sums["v_weighted"] * on_v], axis=-1)  # letters v_letters + pair
             ref = _gemv(x, x_letters, both, v_letters + pair, ct.contracted, kept + pair)
+        if x_nonnegative:
+            # On clean data x >= 0 and this is |x|·w exactly; a corrupted negative entry can
+            # only lower it, which tightens the threshold (more alarms, never fewer).
+            magnitude = _gemv(x, x_letters, w, v_letters, ct.contracted, kept)
         else:
-            # Sibling reductions of the same x: XLA fuses them into one pass over x.
-            ref = jnp.stack([line_products(v), line_products(v_weighted)], axis=-1)
-    if x_nonnegative:
-        # On clean data x >= 0 and this is |x|·w exactly; a corrupted negative entry can only
-        # lower it, which tightens the threshold (more alarms, never fewer).
-        magnitude = line_products(w)
+            # In x's own dtype (a max is exact in any), so a bf16 x is read as stored.
+            x_max = jnp.max(jnp.abs(x), axis=contracted_axes).astype(f32)
     else:
+        # The products and the magnitude's max as one reduction: one pass over x.
+        x32 = x.astype(f32)
+        x_terms = {"ref": ("sum", x32 * along_x(v))}
+        if weights is not None:
+            x_terms["ref_weighted"] = ("sum", x32 * along_x(sums["v_weighted"] * on_v))
+        if x_nonnegative:
+            x_terms["magnitude"] = ("sum", x32 * along_x(w))  # |x|·w, as above
+        else:
+            x_terms["x_max"] = ("max", jnp.abs(x32))
+        reduced = _reduce_together(x_terms, contracted_axes)
+        ref = reduced["ref"]
+        if weights is not None:
+            ref = jnp.stack([ref, reduced["ref_weighted"]], axis=-1)
+        magnitude, x_max = reduced.get("magnitude"), reduced.get("x_max")
+    if not x_nonnegative:
         w_total = jnp.sum(w, axis=axes_of(v_letters, ct.contracted))  # letters batch_in_v
-        x_max = jnp.max(jnp.abs(x), axis=contracted_axes)  # letters kept
         magnitude = x_max * _along(w_total, batch_in_v, kept, x_max.shape)
     term = ct.without(summed_letters)
     perm = [kept.index(c) for c in term]
@@ -452,14 +493,14 @@ def line_checksums(
     k = int(np.prod([dims[x] for x in ct.contracted], dtype=np.int64))
     line = int(np.prod([dims[x] for x in summed_letters], dtype=np.int64))
     scale_on_c = _along(scale, ct.batch, ct.out, c.shape)
-    c32 = c.astype(jnp.float32) * scale_on_c  # exact: a power of two
     summed_axes = axes_of(ct.out, summed_letters)
-    summed = jnp.sum(c32, axis=summed_axes)
+    c_sums = _line_sums_of_c(c, scale_on_c, summed_axes)
+    summed = c_sums["sum"]
     term = ct.without(summed_letters)
     scale_on_line = _along(scale, ct.batch, term, summed.shape)
     threshold = _line_threshold(
         magnitude, scale_on_line, c.dtype, a.dtype, precision, k=k, n_line=line, safety=safety
-    ) + _output_rounding(c32, c.dtype, summed_axes, safety)
+    ) + _output_rounding(c_sums.get("abs_sum"), c.dtype, safety)
     return LineChecksums(ref, jnp.abs(summed - ref), threshold, scale)
 
 
@@ -564,24 +605,40 @@ def _row_check(
     ref, weighted_ref = (refs[..., 0], refs[..., 1]) if weighted else (refs, None)
     row_term = ct.without(ct.rhs_free)
     summed_axes = axes_of(ct.out, ct.rhs_free)
-    c32 = c.astype(jnp.float32) * _along(scale, ct.batch, ct.out, c.shape)  # exact: power of 2
-    row_sum = jnp.sum(c32, axis=summed_axes)
-    weighted_sum = None
-    if weighted:
-        w_on_c = _along(in_out_order, ct.rhs_free, ct.out, c.shape).astype(jnp.float32)
-        weighted_sum = jnp.sum(c32 * w_on_c, axis=summed_axes)
+    w_on_c = _along(in_out_order, ct.rhs_free, ct.out, c.shape) if weighted else None
+    c_sums = _line_sums_of_c(
+        c, _along(scale, ct.batch, ct.out, c.shape), summed_axes, weights=w_on_c
+    )
+    row_sum, weighted_sum = c_sums["sum"], c_sums.get("weighted_sum")
     scale_on_row = _along(scale, ct.batch, row_term, row_sum.shape)
     base_threshold = _line_threshold(
         magnitude, scale_on_row, c.dtype, a.dtype, precision, k=k, n_line=n_line, safety=safety
     )
-    threshold = base_threshold + _output_rounding(c32, c.dtype, summed_axes, safety)
+    threshold = base_threshold + _output_rounding(c_sums.get("abs_sum"), c.dtype, safety)
     return RowCheck(
         ref, weighted_ref, row_sum, weighted_sum, threshold, base_threshold, magnitude, scale
     )
 
 
-def _output_rounding(c32, c_dtype, summed_axes, safety):
-    """What rounding a bf16/fp16 ``C`` can move its lines' sums by (0 for wider outputs).
+def _line_sums_of_c(c, scale, summed_axes, *, weights=None) -> dict[str, jax.Array]:
+    """The scaled line sums of ``c`` in one pass over it: ``"sum"`` (``Σ c·scale``); for a
+    bf16/fp16 ``c``, ``"abs_sum"`` (``Σ |c|·scale``, see :func:`_output_rounding`); with
+    ``weights`` (broadcastable to ``c``), ``"weighted_sum"`` (``Σ w·c·scale``).
+
+    ``scale`` (broadcastable to ``c``) is a power of two, so the scaling is exact.
+    """
+    c32 = c.astype(jnp.float32) * scale
+    terms = {"sum": ("sum", c32)}
+    if unit_roundoff(c.dtype) > unit_roundoff(jnp.float32):
+        terms["abs_sum"] = ("sum", jnp.abs(c32))
+    if weights is not None:
+        terms["weighted_sum"] = ("sum", c32 * weights.astype(jnp.float32))
+    return _reduce_together(terms, summed_axes)
+
+
+def _output_rounding(abs_sum, c_dtype, safety):
+    """What rounding a bf16/fp16 ``C`` can move its lines' sums by (0 for wider outputs), from
+    its lines' ``Σ|c|`` (``abs_sum``, scaled; None for wider outputs).
 
     Rounding moves each element by at most ``u_out`` of itself, so a line moves by at most
     ``u_out·Σ|c|``: often far below ``u_out·|A||B|e``, which is loose where terms cancel. A fault
@@ -591,7 +648,7 @@ def _output_rounding(c32, c_dtype, summed_axes, safety):
     u_out = unit_roundoff(c_dtype)
     if u_out <= unit_roundoff(jnp.float32):
         return 0.0
-    rounding = safety * _rounding_of(u_out) * jnp.sum(jnp.abs(c32), axis=summed_axes)
+    rounding = safety * _rounding_of(u_out) * abs_sum
     return jnp.where(jnp.isfinite(rounding), rounding, 0.0)
 
 
@@ -790,11 +847,13 @@ def check_contraction(
     # The row with the fix, summed again (not the old sum minus the old value: a huge fault
     # took the rest of the row's low bits with it): it must pass the row's check.
     fixed_row = jnp.where(jnp.arange(n_line) == column[:, None], exact[:, None], c_rows)
-    fixed32 = fixed_row.astype(jnp.float32) * scale[:, None]
-    threshold_after = base_threshold + _output_rounding(fixed32, c.dtype, -1, config.safety)
+    fixed_sums = _line_sums_of_c(fixed_row, scale[:, None], (1,))
+    threshold_after = base_threshold + _output_rounding(
+        fixed_sums.get("abs_sum"), c.dtype, config.safety
+    )
     passes = (
-        (jnp.abs(jnp.sum(fixed32, axis=-1) - ref) <= threshold_after)
-        & jnp.all(jnp.isfinite(fixed32), axis=-1)
+        (jnp.abs(fixed_sums["sum"] - ref) <= threshold_after)
+        & jnp.all(jnp.isfinite(fixed_row), axis=-1)
         & locatable
     )
     single = (jnp.sum(bad, axis=-1) == 1).reshape(-1)
