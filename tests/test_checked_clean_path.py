@@ -41,6 +41,46 @@ def test_a_checked_bf16_step_has_no_control_flow_per_gemm(config, expected):
     assert control_flow(jax.jit(fn).lower(*args).compile().as_text()) == expected
 
 
+def _computations(compiled_text: str) -> dict[str, str]:
+    """The computations of an optimized HLO module, by name."""
+    out = {}
+    for text in re.split(r"\n(?=\S)", compiled_text):
+        name = re.match(r"(?:ENTRY )?(%[\w.-]+) ", text)
+        if name:
+            out[name.group(1)] = text
+    return out
+
+
+def _reachable(computations: dict[str, str], root: str) -> set[str]:
+    """``root`` and every computation it calls, directly or not."""
+    seen, todo = set(), [root]
+    while todo:
+        name = todo.pop()
+        if name not in seen and name in computations:
+            seen.add(name)
+            todo += re.findall(r"(?:calls|body|condition|to_apply)=(%[\w.-]+)", computations[name])
+    return seen
+
+
+def test_the_recompute_loop_computes_the_step_on_each_trip():
+    """A loop body that does not depend on its trip is loop-invariant, and XLA hoists all of it
+    out of the loop: the second trip would then compute nothing again, and a transient fault
+    would be met again. Every GEMM of the compiled step must sit inside the loop's body."""
+
+    def step(w, x):
+        return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+
+    w = jax.random.normal(jax.random.key(0), (16, 8))
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    checked = sdcguard.checked(step, ABFTConfig(recompute=True))
+    text = jax.jit(checked).lower(w, x).compile().as_text()
+    computations = _computations(text)
+    (body,) = re.findall(r"\swhile\(.*?body=(%[\w.-]+)", text)
+    inside = sum(computations[c].count(" dot(") for c in _reachable(computations, body))
+    assert text.count(" dot(") >= 3  # the forward GEMM and its gradient, at least
+    assert inside == text.count(" dot(")
+
+
 def test_recompute_mode_repairs_what_in_place_cannot():
     """Two errors in one matrix are beyond the in-place fix (counted uncorrectable, the output
     flagged, never passed on as corrected); the recompute computes the step again, once, and

@@ -1,17 +1,14 @@
-"""Checksum math for any contraction: encode, verify, locate, correct; and the tolerance model.
+"""Checksum math for any contraction: encode, verify, correct; and the tolerance model.
 
-For ``C = A·B`` (any batch dims; any einsum that is a pure contraction), the column checksum
-``eᵀC = (eᵀA)B`` and the row checksum ``Ce = A(Be)`` are computed from the inputs (an O(1/n)
-extra cost), then compared with the sums of the ``C`` actually produced. A mismatch larger than
-the round-off bound flags a row and/or a column; their intersection, or a non-finite or near-INF
-element in a flagged line, locates the error. An isolated element is corrected from its
-checksum (the checksum minus the sum of the rest of its column or row); a single bad row or
-column is recomputed from ``A`` and ``B``; anything beyond that is counted *uncorrectable*.
-
-The clean path is the GEMM, the row checksum product ``A(Be)``, row norms of ``A`` and column
-norms of ``B`` (for the bound) and one read of ``C`` (its row sums): any error in C changes its
-row's sum. Column checksums, location and correction run (:func:`repair_if`) only when a row is
-flagged, so a clean step has no host sync, no second read of C and no copy of it.
+For ``C = A·B`` (any batch dims; any einsum that is a pure contraction), the row checksum
+``Ce = A(Be)`` is computed from the inputs and compared with the row sums of the ``C`` actually
+produced: any error in ``C`` changes its row's sum. The check reads each of ``A``, ``B`` and ``C``
+once (:func:`check_contraction`); a mismatch larger than the round-off bound flags the row. In
+place, the flagged row of each matrix is computed again from its row of ``A`` and all of ``B``
+and written over it, without control flow; more than one flagged row in a matrix is counted
+*uncorrectable*, for the step-level decision. :func:`line_checksums` gives either side's
+checksums (rows or columns) for the Pallas kernels' verification and the tolerance benchmark;
+:func:`repair_if` runs a repair only when a check flags something (the softmax check).
 
 Tolerance model (first-order worst-case round-off; Higham, *Accuracy and Stability*, §3.1):
 every quantity compared is a sum of products ``a·b``, so for a column
@@ -287,16 +284,24 @@ def power_of_two_below(m: jax.Array) -> jax.Array:
 
 
 def _reduce_together(terms: dict[str, tuple[str, jax.Array]], axes) -> dict[str, jax.Array]:
-    """Sums and maxima of float32 arrays of one shape over ``axes``, as one variadic reduction.
+    """Sums and maxima of arrays of one shape over ``axes``, as one variadic reduction.
 
     ``terms`` maps a name to ``("sum" | "max", array)``. The arrays are elementwise functions of
-    one tensor (``c``, ``|c|``, ``w·c``); one reduction with several outputs is one pass over
-    that tensor, its elementwise work fused in. Separate reductions are separate passes, and
-    XLA:CPU writes each one's elementwise input out in full before reducing it.
+    one tensor (``c`` and ``|c|``; ``x·v`` and ``|x|``); one reduction with several outputs is
+    one pass over that tensor, its elementwise work fused in. Separate reductions are separate
+    passes, and XLA:CPU writes each one's elementwise input out in full before reducing it.
     """
     names = list(terms)
     kinds = [terms[n][0] for n in names]
-    init = tuple(np.float32(0.0 if k == "sum" else -np.inf) for k in kinds)
+
+    def identity(kind, dtype):
+        if kind == "sum":
+            return np.array(0, dtype)
+        return np.array(
+            -np.inf if jnp.issubdtype(dtype, jnp.floating) else np.iinfo(dtype).min, dtype
+        )
+
+    init = tuple(identity(k, terms[n][1].dtype) for n, k in zip(names, kinds, strict=True))
 
     def combine(x, y):
         both = zip(kinds, x, y, strict=True)
@@ -316,7 +321,6 @@ def _contract_with_line_sums(
     *,
     x_nonnegative: bool = False,
     as_dot: bool | None = None,
-    weights: jax.Array | None = None,
 ):
     """One side's scaled checksum ``ref = Σ_contracted x · (Σ_summed other)·s`` and magnitude.
 
@@ -340,24 +344,16 @@ def _contract_with_line_sums(
     ``as_dot`` forces one formulation of the products (None: :func:`products_as_dot`;
     ``scripts/bench_checksum_products.py`` times both).
 
-    ``weights`` (broadcastable to ``other``, e.g. the column index 1..N along the summed axes)
-    adds a second, weighted checksum ``Σ x·(Σ_summed w·other)·s`` computed in the same products
-    (one read of ``x`` for both): ``ref`` then has a trailing axis ``[plain, weighted]``.
-
     Returns:
       ``(ref, magnitude, scale)``, float32; ``ref`` and ``magnitude`` have the letters
-      ``ct.without(summed_letters)`` (``ref`` a trailing axis of 2 with ``weights``), ``scale``
-      the letters ``ct.batch``.
+      ``ct.without(summed_letters)``, ``scale`` the letters ``ct.batch``.
     """
     f32 = jnp.float32
     other = other.astype(f32)
     summed_axes = axes_of(other_letters, summed_letters)
     v_letters = "".join(c for c in other_letters if c not in summed_letters)
-    # One pass over ``other`` for its line sums, of |other|, and weighted.
-    line_terms = {"v": ("sum", other), "w": ("sum", jnp.abs(other))}
-    if weights is not None:
-        line_terms["v_weighted"] = ("sum", other * weights.astype(f32))
-    sums = _reduce_together(line_terms, summed_axes)
+    # One pass over ``other`` for its line sums and those of |other|.
+    sums = _reduce_together({"v": ("sum", other), "w": ("sum", jnp.abs(other))}, summed_axes)
     w = sums["w"]
     # One power of two per matrix of the batch, from the largest |B|e of that matrix: the
     # smallest of the entries' powers of two (the same number, as the power of two falls as
@@ -382,13 +378,7 @@ def _contract_with_line_sums(
         as_dot = products_as_dot(x_letters, ct, x.dtype)
 
     if as_dot:
-        if weights is None:
-            ref = _gemv(x, x_letters, v, v_letters, ct.contracted, kept)
-        else:
-            # One matrix-vector product with two vectors: one read of x for both.
-            pair = next(c for c in string.ascii_letters if c not in x_letters + v_letters)
-            both = jnp.stack([v, sums["v_weighted"] * on_v], axis=-1)  # letters v_letters + pair
-            ref = _gemv(x, x_letters, both, v_letters + pair, ct.contracted, kept + pair)
+        ref = _gemv(x, x_letters, v, v_letters, ct.contracted, kept)
         if x_nonnegative:
             # On clean data x >= 0 and this is |x|·w exactly; a corrupted negative entry can
             # only lower it, which tightens the threshold (more alarms, never fewer).
@@ -400,16 +390,12 @@ def _contract_with_line_sums(
         # The products and the magnitude's max as one reduction: one pass over x.
         x32 = x.astype(f32)
         x_terms = {"ref": ("sum", x32 * along_x(v))}
-        if weights is not None:
-            x_terms["ref_weighted"] = ("sum", x32 * along_x(sums["v_weighted"] * on_v))
         if x_nonnegative:
             x_terms["magnitude"] = ("sum", x32 * along_x(w))  # |x|·w, as above
         else:
             x_terms["x_max"] = ("max", jnp.abs(x32))
         reduced = _reduce_together(x_terms, contracted_axes)
         ref = reduced["ref"]
-        if weights is not None:
-            ref = jnp.stack([ref, reduced["ref_weighted"]], axis=-1)
         magnitude, x_max = reduced.get("magnitude"), reduced.get("x_max")
     if not x_nonnegative:
         w_total = jnp.sum(w, axis=axes_of(v_letters, ct.contracted))  # letters batch_in_v
@@ -417,8 +403,7 @@ def _contract_with_line_sums(
     term = ct.without(summed_letters)
     perm = [kept.index(c) for c in term]
     scale = jnp.transpose(scale_v, [batch_in_v.index(c) for c in ct.batch])
-    ref_perm = perm if weights is None else [*perm, len(perm)]
-    return jnp.transpose(ref, ref_perm), jnp.transpose(magnitude, perm), scale
+    return jnp.transpose(ref, perm), jnp.transpose(magnitude, perm), scale
 
 
 def _along(t: jax.Array, t_letters: str, letters: str, shape) -> jax.Array:
@@ -525,15 +510,6 @@ def repair_if(flagged: jax.Array, repair, x: jax.Array) -> tuple[jax.Array, jax.
     return apply_if(flagged, lambda checked: repair(checked[0]), (x, zeros))
 
 
-# Columns around the one the weighted checksum points to, each computed again to find the fault.
-_CANDIDATES = 16
-
-
-def _flat_index(shape: tuple[int, ...]) -> jax.Array:
-    """int32 ``arange(prod(shape)).reshape(shape)``: the row-major flat index of each element."""
-    return jnp.arange(math.prod(shape), dtype=jnp.int32).reshape(shape)
-
-
 def _unravel(flat: jax.Array, letters: str, dims: dict) -> dict[str, jax.Array]:
     """``{letter: index}`` of the row-major flat index ``flat`` over ``letters``' axes, uint32
     (in bounds by construction, so no gather or scatter below needs a bounds check)."""
@@ -567,63 +543,41 @@ class RowCheck(NamedTuple):
     :class:`LineChecksums`)."""
 
     ref: jax.Array  # A(Be)·scale: the row sums the inputs define
-    weighted_ref: jax.Array | None  # A(B·w)·scale, w = 1..N along the row (to locate), or None
     row_sum: jax.Array  # Σ c·scale
-    weighted_sum: jax.Array | None  # Σ w·c·scale, or None
     threshold: jax.Array  # the round-off bound of |row_sum - ref| on a clean row
     base_threshold: jax.Array  # the same without the rounding of a low-precision C (its Σ|c|)
-    magnitude: jax.Array  # the row's Σ|A||B| bound (before γ): see _element_bound
+    magnitude: jax.Array  # the row's bound max|a|·Σ|B| of Σ|a||b| (before γ), scaled
     scale: jax.Array  # the power of two per matrix (letters: the batch letters)
 
 
-def _row_check(
-    c, a, b, ct: Contraction, *, safety, precision, lhs_nonnegative, weighted: bool
-) -> RowCheck:
-    """Encodes the row checksums of ``c = einsum(a, b)`` and sums C's rows, in one read of C.
+def _row_check(c, a, b, ct: Contraction, *, safety, precision, lhs_nonnegative) -> RowCheck:
+    """Encodes the row checksums of ``c = einsum(a, b)`` and sums C's rows, one read of each.
 
-    The reductions over ``C`` (its row sums, index-weighted row sums to locate, ``Σ|c|`` for a
-    low-precision C) sum elementwise functions of one element along the same axes: one pass over
-    ``C`` where XLA fuses them, which is the whole cost of the check beyond the narrow products
-    with ``A`` and ``B``. ``weighted=False`` (detection only) leaves the weighted sums out.
+    The reductions over ``C`` (its row sums, and ``Σ|c|`` for a low-precision C) sum elementwise
+    functions of one element along the same axes, as one reduction: one pass over ``C``, which
+    is the whole cost of the check beyond the narrow products with ``A`` and ``B``.
     """
     dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
     n_line = math.prod(dims[x] for x in ct.rhs_free)
     k = math.prod(dims[x] for x in ct.contracted)
-    # The weights 1..N along each row, on B's rhs-free axes for the reference and on C's for C.
     rhs_free_in_b = "".join(x for x in ct.rhs if x in ct.rhs_free)
-    in_out_order = _flat_index(tuple(dims[x] for x in ct.rhs_free)) + 1
-    refs, magnitude, scale = _contract_with_line_sums(
-        a,
-        ct.lhs,
-        b,
-        ct.rhs,
-        ct,
-        rhs_free_in_b,
-        x_nonnegative=lhs_nonnegative,
-        weights=_along(in_out_order, ct.rhs_free, ct.rhs, b.shape) if weighted else None,
+    ref, magnitude, scale = _contract_with_line_sums(
+        a, ct.lhs, b, ct.rhs, ct, rhs_free_in_b, x_nonnegative=lhs_nonnegative
     )
-    ref, weighted_ref = (refs[..., 0], refs[..., 1]) if weighted else (refs, None)
-    row_term = ct.without(ct.rhs_free)
     summed_axes = axes_of(ct.out, ct.rhs_free)
-    w_on_c = _along(in_out_order, ct.rhs_free, ct.out, c.shape) if weighted else None
-    c_sums = _line_sums_of_c(
-        c, _along(scale, ct.batch, ct.out, c.shape), summed_axes, weights=w_on_c
-    )
-    row_sum, weighted_sum = c_sums["sum"], c_sums.get("weighted_sum")
-    scale_on_row = _along(scale, ct.batch, row_term, row_sum.shape)
+    c_sums = _line_sums_of_c(c, _along(scale, ct.batch, ct.out, c.shape), summed_axes)
+    row_sum = c_sums["sum"]
+    scale_on_row = _along(scale, ct.batch, ct.without(ct.rhs_free), row_sum.shape)
     base_threshold = _line_threshold(
         magnitude, scale_on_row, c.dtype, a.dtype, precision, k=k, n_line=n_line, safety=safety
     )
     threshold = base_threshold + _output_rounding(c_sums.get("abs_sum"), c.dtype, safety)
-    return RowCheck(
-        ref, weighted_ref, row_sum, weighted_sum, threshold, base_threshold, magnitude, scale
-    )
+    return RowCheck(ref, row_sum, threshold, base_threshold, magnitude, scale)
 
 
-def _line_sums_of_c(c, scale, summed_axes, *, weights=None) -> dict[str, jax.Array]:
-    """The scaled line sums of ``c`` in one pass over it: ``"sum"`` (``Σ c·scale``); for a
-    bf16/fp16 ``c``, ``"abs_sum"`` (``Σ |c|·scale``, see :func:`_output_rounding`); with
-    ``weights`` (broadcastable to ``c``), ``"weighted_sum"`` (``Σ w·c·scale``).
+def _line_sums_of_c(c, scale, summed_axes) -> dict[str, jax.Array]:
+    """The scaled line sums of ``c`` in one pass over it: ``"sum"`` (``Σ c·scale``) and, for a
+    bf16/fp16 ``c``, ``"abs_sum"`` (``Σ |c|·scale``, see :func:`_output_rounding`).
 
     ``scale`` (broadcastable to ``c``) is a power of two, so the scaling is exact.
     """
@@ -631,8 +585,6 @@ def _line_sums_of_c(c, scale, summed_axes, *, weights=None) -> dict[str, jax.Arr
     terms = {"sum": ("sum", c32)}
     if unit_roundoff(c.dtype) > unit_roundoff(jnp.float32):
         terms["abs_sum"] = ("sum", jnp.abs(c32))
-    if weights is not None:
-        terms["weighted_sum"] = ("sum", c32 * weights.astype(jnp.float32))
     return _reduce_together(terms, summed_axes)
 
 
@@ -671,17 +623,6 @@ def _line_threshold(magnitude, scale, c_dtype, a_dtype, precision, *, k, n_line,
     return gamma * magnitude + n_line * underflow_slack(c_dtype, k) * scale
 
 
-def _element_bound(magnitude: jax.Array, n_line: int) -> jax.Array:
-    """What no clean element of a row can exceed in magnitude, in scaled units.
-
-    ``|c_ij| <= Σ_k |a_ik||b_kj| <= max_k|a_ik| · Σ_k Σ_n |b_kn|``, the row's ``magnitude``; twice
-    that covers every rounding. An element beyond it is a fault wherever it sits (a near-INF
-    value, a flipped high exponent bit): it is located directly, where the row's sums, which
-    it dominates or makes non-finite, cannot say where it is. Capped at f32max / N.
-    """
-    return jnp.minimum(2 * magnitude, float(jnp.finfo(jnp.float32).max) / (n_line + 1))
-
-
 def _rounding_of(u_out: float) -> float:
     """Relative bound of one rounding to a dtype of unit round-off ``u_out``, as a fraction of
     the *rounded* value: ``|x - fl(x)| <= u/(1-u)·|fl(x)|``."""
@@ -698,25 +639,25 @@ def check_contraction(
     precision=None,
     lhs_nonnegative: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Verifies ``c == einsum(contraction, a, b)`` by checksums and corrects a single error per
-    matrix, exactly and without control flow.
+    """Verifies ``c == einsum(contraction, a, b)`` by its row checksums and corrects the errors of
+    one row per matrix, exactly and without control flow.
 
-    Detection: the row sums of ``C`` against ``A(Be)``, and the count of non-finite elements.
-    Location, in a flagged row: a non-finite element directly; otherwise the column ``j`` of a
-    single error ``Δ`` from the ratio of the row's two deviations, ``(j+1)Δ / Δ`` (ATTNChecker's
-    plain and index-weighted checksums). Correction: the located element is computed again from
-    its row of ``a`` and column of ``b`` (a dot of length K, in float32 or wider) and rounded to
-    ``c``'s dtype, so it equals the clean element to the GEMM's own rounding; it counts as
-    corrected only if the row then passes its check. All of it is branch-free, for every matrix
-    of the batch: a few reductions fused into one read of ``C``, gathers of one row of ``a`` and
-    one column of ``b`` per matrix, and a scatter of one element per matrix into ``C``.
+    Detection: the row sums of ``C`` against ``A(Be)``, all of it read in one pass over each of
+    ``a``, ``b`` and ``c``. Correction: the flagged row of each matrix is computed again from its
+    row of ``a`` and all of ``b`` (a vector-matrix product in float32 or wider, rounded to
+    ``c``'s dtype as the GEMM rounds) and written over the row; each element equals the clean
+    one to the GEMM's own rounding, and every other row is untouched. It counts as corrected only
+    if the new row passes the row's check. Nothing needs locating inside the row, so any number
+    of errors in it are corrected, a non-finite one as a finite one. All of it is branch-free, for
+    every matrix of the batch: a gather of one row of ``a`` per matrix, one product with ``b``,
+    and a scatter of one row per matrix into ``C``.
 
-    A matrix with more than one flagged row, or a row with errors that do not locate to one
-    element, is counted ``uncorrectable`` and left as it is: never silently passed on, it is for
-    the step-level decision (``sdcguard.checked(..., ABFTConfig(recompute=True))`` computes the
-    step again; the update guard refuses it). A matrix whose inputs define a non-finite value in
-    a flagged row (an operand already held a NaN or INF, or the exact product overflows) is
-    left as the inputs define it and counted ``nonfinite_input``.
+    A matrix with more than one flagged row is counted ``uncorrectable`` and left as it is:
+    never silently passed on, it is for the step-level decision
+    (``sdcguard.checked(..., ABFTConfig(recompute=True))`` computes the step again; the update
+    guard refuses it). A matrix whose inputs define a non-finite value in a flagged row (an
+    operand already held a NaN or INF, or the exact product overflows) is left as the inputs
+    define it and counted ``nonfinite_input``.
 
     Known blind spot of line checksums: two errors in one row that cancel in its sum leave the
     row sum intact; the row check cannot see them, as for any single-checksum ABFT.
@@ -730,7 +671,7 @@ def check_contraction(
       lhs_nonnegative: ``a >= 0`` elementwise on clean data (see :func:`checked_einsum`).
 
     Returns:
-      ``(c_checked, counts)``: ``c`` with a located error per matrix corrected (unchanged when
+      ``(c_checked, counts)``: ``c`` with a flagged row per matrix recomputed (unchanged when
       clean), and int32 ``[detected, corrected, uncorrectable, nonfinite_input]`` summed over
       the batch of matrices.
 
@@ -748,17 +689,9 @@ def check_contraction(
         )
         return fixed[0], counts
     rows = _row_check(
-        c,
-        a,
-        b,
-        ct,
-        safety=config.safety,
-        precision=precision,
-        lhs_nonnegative=lhs_nonnegative,
-        weighted=config.correct,
+        c, a, b, ct, safety=config.safety, precision=precision, lhs_nonnegative=lhs_nonnegative
     )
-    deviation = rows.row_sum - rows.ref
-    bad_row = ~(jnp.abs(deviation) <= rows.threshold)  # NaN and INF rows fail too
+    bad_row = ~(jnp.abs(rows.row_sum - rows.ref) <= rows.threshold)  # NaN and INF rows fail too
     # Per matrix of the batch: rows flattened, [batch..., rows] with the batch letters first.
     row_term = ct.without(ct.rhs_free)
     order = [row_term.index(x) for x in ct.batch + ct.lhs_free]
@@ -770,12 +703,17 @@ def check_contraction(
     # Both counters from one reduction of one flag per row: 0 clean, 1 flagged, 2 flagged where
     # the inputs alone define a non-finite row sum (an operand already held a NaN or INF).
     status = jnp.where(bad_row, jnp.where(jnp.isfinite(rows.ref), 1, 2), 0).astype(jnp.int8)
-    worst = jnp.max(per_matrix(status), axis=-1)
-    detected, upstream = worst > 0, worst == 2
     if not config.correct:
         # Detection only: C is passed on as it is. A flagged row whose checksum, computed from
         # the inputs alone, is not finite was doomed upstream.
-        return c, count_outcomes(jnp.sum(detected), 0, jnp.sum(upstream))
+        worst = jnp.max(per_matrix(status), axis=-1)
+        return c, count_outcomes(jnp.sum(worst > 0), 0, jnp.sum(worst == 2))
+    # In place, the number of flagged rows of each matrix too, in the same reduction.
+    flagged = per_matrix(bad_row).astype(jnp.int32)
+    reduced = _reduce_together(
+        {"worst": ("max", per_matrix(status)), "flagged": ("sum", flagged)}, (len(ct.batch),)
+    )
+    detected, upstream = reduced["worst"] > 0, reduced["worst"] == 2
 
     dims = {**dict(zip(ct.lhs, a.shape, strict=True)), **dict(zip(ct.rhs, b.shape, strict=True))}
     batch_shape = tuple(dims[x] for x in ct.batch)
@@ -783,87 +721,117 @@ def check_contraction(
     n_line = math.prod(dims[x] for x in ct.rhs_free)
     # The flagged row of each matrix (the first, when there are several: then nothing is fixed),
     # and its numbers, one per matrix: [n_batch].
-    bad = per_matrix(bad_row)
-    row = jnp.argmax(bad, axis=-1).astype(jnp.uint32)
+    row = jnp.argmax(per_matrix(bad_row), axis=-1).astype(jnp.uint32)
 
     def at_row(x):
         x = jnp.take_along_axis(per_matrix(x), row[..., None], axis=-1, mode="promise_in_bounds")
         return x[..., 0].reshape(-1)
 
-    dev, wdev = at_row(deviation), at_row(rows.weighted_sum - rows.weighted_ref)
     ref, base_threshold = at_row(rows.ref), at_row(rows.base_threshold)
-    bound = _element_bound(at_row(rows.magnitude), n_line)
     scale = rows.scale.reshape(-1)
-    # The flagged row of C itself, one per matrix ([n_batch, N]): everything below works on it.
     matrix_at = {
         **_unravel(jnp.arange(n_batch), ct.batch, dims),
         **{x: i.reshape(-1) for x, i in _unravel(row, ct.lhs_free, dims).items()},
     }
     c_rows = _gather_lines(c, ct.out, matrix_at, ct.rhs_free).reshape(n_batch, n_line)
-    row32 = c_rows.astype(jnp.float32) * scale[:, None]
-    # A value no clean element of the row can reach is located directly; otherwise a single
-    # error Δ at column j moves the plain sum by Δ and the weighted one by (j+1)Δ.
-    extreme = ~(jnp.abs(row32) <= bound[:, None])
-    extremes = jnp.sum(extreme, axis=-1)
-    ratio = jnp.round(wdev / jnp.where(dev == 0, 1.0, dev)) - 1
-    finite_ratio = jnp.isfinite(ratio) & (dev != 0)
-    by_ratio = jnp.clip(jnp.where(finite_ratio, ratio, 0), 0, n_line - 1).astype(jnp.int32)
-    column = jnp.where(extremes > 0, jnp.argmax(extreme, axis=-1), by_ratio)
-    locatable = (extremes == 1) | ((extremes == 0) & finite_ratio)
-    # The ratio is as precise as the row's rounding allows: a moderate error in a long bf16 row
-    # may be a few columns off. The candidates are the window of columns around it (or the one
-    # extreme element); each is computed again from its row of a and column of b, and the fault
-    # is the one that differs most from its exact value.
-    width = min(_CANDIDATES, n_line)
-    start = jnp.clip(column - width // 2, 0, n_line - width)
-    start = jnp.where(extremes > 0, column, start)
-    offsets = jnp.where(extremes[:, None] > 0, 0, jnp.arange(width))
-    candidates = (start[:, None] + offsets).astype(jnp.uint32)  # [n_batch, width]
-    candidate_at = {
-        **{x: jnp.repeat(i, width) for x, i in matrix_at.items()},
-        **{x: i.reshape(-1) for x, i in _unravel(candidates, ct.rhs_free, dims).items()},
-    }
+    exact = _recomputed_rows(a, b, ct, matrix_at, dims)
+    # Only the elements farther from their recomputation than rounding allows are replaced:
+    # the clean ones keep their bits. In the checksums' scaled units, so nothing overflows.
+    k = math.prod(dims[x] for x in ct.contracted)
+    exact_scaled = exact * scale[:, None].astype(exact.dtype)
+    tolerance = _element_tolerance(
+        at_row(rows.magnitude)[:, None],
+        exact_scaled,
+        scale[:, None],
+        c.dtype,
+        a.dtype,
+        precision,
+        k=k,
+        safety=config.safety,
+    )
+    deviation = jnp.abs(c_rows.astype(exact.dtype) * scale[:, None] - exact_scaled)
+    wrong = ~(deviation <= tolerance)  # NaN and INF too
+    exact_c = exact.astype(c.dtype)  # rounded as the GEMM rounds its output
+    repaired = jnp.where(wrong, exact_c, c_rows)
+    # The repaired row must pass the row's check: hardware that corrupts the recomputation too
+    # is caught here (a non-finite element makes the sum non-finite, which fails). One pass
+    # over the row also says whether the inputs define a non-finite value in it (a max
+    # propagates NaN and INF).
+    repaired_scaled = repaired.astype(jnp.float32) * scale[:, None]
+    # As stored in c's dtype (an fp16 row may overflow there), scaled into float32's range.
+    exact_max = jnp.abs(exact_c.astype(exact.dtype) * scale[:, None]).astype(jnp.float32)
+    after = {"sum": ("sum", repaired_scaled), "exact_max": ("max", exact_max)}
+    if unit_roundoff(c.dtype) > unit_roundoff(jnp.float32):
+        after["abs_sum"] = ("sum", jnp.abs(repaired_scaled))
+    after = _reduce_together(after, (1,))
+    threshold_after = base_threshold + _output_rounding(
+        after.get("abs_sum"), c.dtype, config.safety
+    )
+    passes = jnp.abs(after["sum"] - ref) <= threshold_after
+    single = (reduced["flagged"] == 1).reshape(-1)
+    upstream = upstream | (detected & ~jnp.isfinite(after["exact_max"]).reshape(batch_shape))
+    fix = detected.reshape(-1) & single & passes & ~upstream.reshape(-1)
+    new_rows = jnp.where(fix[:, None], repaired, c_rows)
+    return _set_lines(c, ct.out, matrix_at, ct.rhs_free, new_rows), count_outcomes(
+        jnp.sum(detected), jnp.sum(fix), jnp.sum(upstream)
+    )
+
+
+def _element_tolerance(
+    row_magnitude, exact, scale, c_dtype, a_dtype, precision, *, k, safety
+) -> jax.Array:
+    """How far a clean element of ``C`` may lie from its recomputation ``exact``, in scaled units.
+
+    Both are sums of ``k`` products in float32 or wider, each off by at most ``k·u_acc`` of the
+    element's ``Σ|a||b|``, which the row's ``max|a|·Σ|B|`` (``row_magnitude``) bounds; the
+    stored one was rounded once more, to ``c_dtype`` (at most ``u_out`` of itself), and its
+    inputs perhaps by the backend (TF32); flushed subnormals add a little. Never above the row's
+    threshold, so the fault that made a row fail its check is beyond it.
+    """
+    gamma = roundoff_gamma(
+        out_dtype=jnp.float32,
+        contraction=k,
+        line=0,
+        input_unit=input_rounding(a_dtype, precision),
+        safety=safety,
+    )
+    rounding = safety * _rounding_of(unit_roundoff(c_dtype)) * jnp.abs(exact)
+    return gamma * row_magnitude + rounding + underflow_slack(c_dtype, k) * scale
+
+
+def _recomputed_rows(a, b, ct: Contraction, matrix_at: dict, dims: dict) -> jax.Array:
+    """One row of ``einsum(a, b)`` per matrix, computed again: ``[n_batch, N]`` (the rhs-free
+    axes flattened in the output's order), in float32 or wider, for the rows ``matrix_at`` names
+    (``{letter: [n_batch]}`` over the batch and lhs-free letters).
+
+    The row of ``a`` is gathered (``K`` numbers per matrix); ``b`` is read whole, as a
+    vector-matrix product per matrix, in its own layout.
+    """
+    acc = jnp.promote_types(jnp.float32, jnp.result_type(a.dtype, b.dtype))
     lhs_lines = _gather_lines(
         a, ct.lhs, {x: matrix_at[x] for x in ct.lhs if x in matrix_at}, ct.contracted
     )
-    rhs_lines = _gather_lines(
-        b, ct.rhs, {x: candidate_at[x] for x in ct.rhs if x in candidate_at}, ct.contracted
-    )
-    acc = jnp.promote_types(jnp.float32, jnp.result_type(a.dtype, b.dtype))
-    z, w = [x for x in string.ascii_letters if x not in ct.lhs + ct.rhs][:2]
+    batch_shape = tuple(dims[x] for x in ct.batch)
     lhs_k = "".join(x for x in ct.lhs if x in ct.contracted)
-    rhs_k = "".join(x for x in ct.rhs if x in ct.contracted)
-    exact_all = jnp.einsum(
-        f"{z}{lhs_k},{z}{w}{rhs_k}->{z}{w}",
-        lhs_lines.astype(acc),
-        rhs_lines.reshape((n_batch, width, *rhs_lines.shape[1:])).astype(acc),
+    rhs_free = "".join(x for x in ct.out if x in ct.rhs_free)  # the output's order
+    rows = jnp.einsum(
+        f"{ct.batch}{lhs_k},{ct.rhs}->{ct.batch}{rhs_free}",
+        lhs_lines.reshape(*batch_shape, *lhs_lines.shape[1:]).astype(acc),
+        b.astype(acc),
         precision=lax.Precision.HIGHEST,
-    ).astype(c.dtype)  # rounded as the GEMM rounds its output
-    old_all = jnp.take_along_axis(c_rows, candidates.astype(jnp.int32), axis=-1)
-    residual = jnp.abs(old_all.astype(acc) - exact_all.astype(acc))
-    pick = jnp.argmax(jnp.where(jnp.isnan(residual), jnp.inf, residual), axis=-1)[:, None]
-    exact = jnp.take_along_axis(exact_all, pick, axis=-1)[:, 0]
-    column = jnp.take_along_axis(candidates, pick, axis=-1)[:, 0]
-    # The row with the fix, summed again (not the old sum minus the old value: a huge fault
-    # took the rest of the row's low bits with it): it must pass the row's check.
-    fixed_row = jnp.where(jnp.arange(n_line) == column[:, None], exact[:, None], c_rows)
-    fixed_sums = _line_sums_of_c(fixed_row, scale[:, None], (1,))
-    threshold_after = base_threshold + _output_rounding(
-        fixed_sums.get("abs_sum"), c.dtype, config.safety
     )
-    passes = (
-        (jnp.abs(fixed_sums["sum"] - ref) <= threshold_after)
-        & jnp.all(jnp.isfinite(fixed_row), axis=-1)
-        & locatable
-    )
-    single = (jnp.sum(bad, axis=-1) == 1).reshape(-1)
-    upstream = upstream | (detected & ~jnp.isfinite(exact).reshape(batch_shape))
-    fix = detected.reshape(-1) & single & passes & ~upstream.reshape(-1)
-    # A scatter of one element per matrix: C is updated in place where it has no other use.
-    at = {**matrix_at, **_unravel(column, ct.rhs_free, dims)}
-    index = tuple(at[x] for x in ct.out)
-    old = jnp.take_along_axis(c_rows, column[:, None].astype(jnp.int32), axis=-1)[:, 0]
-    fixed = c.at[index].set(
-        jnp.where(fix, exact, old), mode="promise_in_bounds", unique_indices=True
-    )
-    return fixed, count_outcomes(jnp.sum(detected), jnp.sum(fix), jnp.sum(upstream))
+    return rows.reshape(math.prod(batch_shape), -1)
+
+
+def _set_lines(x, letters: str, at: dict[str, jax.Array], kept: str, lines) -> jax.Array:
+    """``x`` with the lines :func:`_gather_lines` reads at ``at`` replaced by ``lines``
+    (``[Z, prod(kept dims)]``): a scatter of ``Z`` lines, in place where ``x`` has no other use."""
+    kept_shape = [x.shape[i] for i, c in enumerate(letters) if c in kept]
+    lines = lines.reshape(lines.shape[0], *kept_shape)
+    if not at:
+        return lines[0]
+    index = tuple(at[c] if c in at else slice(None) for c in letters)
+    picked = [i for i, c in enumerate(letters) if c in at]
+    if picked == list(range(picked[0], picked[0] + len(picked))):
+        lines = jnp.moveaxis(lines, 0, picked[0])  # numpy's rule, as in _gather_lines
+    return x.at[index].set(lines, mode="promise_in_bounds", unique_indices=True)

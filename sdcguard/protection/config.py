@@ -29,11 +29,13 @@ class ABFTConfig:
         context, out``).
       forward: check the forward GEMMs.
       backward: check the two gradient GEMMs of every protected forward GEMM.
-      correct: correct located errors in place; if False, only detect: every detection is
-        counted uncorrectable (the error is passed on, for an update guard to refuse the step)
-        and no repair branch is compiled, so nothing downstream waits on a check.
+      correct: correct errors in place (the flagged row of each matrix computed again); if
+        False, only detect: every detection is counted uncorrectable (the error is passed on,
+        for an update guard to refuse the step) and no repair is compiled, so nothing
+        downstream waits on a check.
       safety: multiplier on the round-off bound (1.0 is already a worst-case bound).
-      near_inf: magnitude at and above which a value in a flagged line is located directly.
+      near_inf: magnitude at and above which a value in a flagged line is located directly
+        (the Pallas kernels, which locate single errors within a tile).
       implementation: ``'xla'`` (any backend), ``'pallas'`` (GPU kernels) or ``'auto'``.
       include, exclude: glob patterns over site names for :func:`sdcguard.checked`: a GEMM is
         checked when its name matches some ``include`` pattern and no ``exclude`` pattern

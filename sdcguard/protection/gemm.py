@@ -124,7 +124,7 @@ def checked_gemm(
         checks the blocks it holds, and the counters have one row per device.
 
     Returns:
-      ``(c, counts)``: ``C`` in dot order, corrected where a single error per matrix was located,
+      ``(c, counts)``: ``C`` in dot order, its flagged row recomputed where a matrix had one,
       and int32 ``[detected, corrected, uncorrectable, nonfinite_input]`` (``[rows, 4]``, one
       row per device, with a ``mesh``).
     """

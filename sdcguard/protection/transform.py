@@ -1,7 +1,7 @@
 """``sdcguard.checked``: every GEMM of any JAX function, forward and backward, under ABFT.
 
 ``checked(fn)`` traces ``fn`` to a jaxpr and evaluates it again with every floating-point
-``dot_general`` replaced by the same GEMM followed by its checksum check (detect, locate, correct:
+``dot_general`` replaced by the same GEMM followed by its checksum check (detect, correct:
 :func:`sdcguard.protection.checksums.check_contraction`). It works on the program, not on the model
 code, so it reaches every GEMM whatever wrote it (Flax linen or NNX, Equinox, plain ``jnp``), inside
 ``jit``, ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp`` bodies and
@@ -753,11 +753,30 @@ def _prepare(fn, config: ABFTConfig, args, kwargs) -> _Program:
     return _Program(traced, table, sharding.device_mesh(*traced.arrays))
 
 
-def _run_checked(program: _Program, config: ABFTConfig) -> tuple[list, Report]:
+def _run_checked(program: _Program, config: ABFTConfig, inputs=None) -> tuple[list, Report]:
+    """The traced step with its GEMMs checked, on ``inputs`` (``(consts, arrays)``; None: the
+    traced ones)."""
     evaluator = _Evaluator(program.table, config, mesh=program.mesh)
     traced = program.traced
-    outs, counts = evaluator.run(traced.closed.jaxpr, traced.closed.consts, traced.arrays)
+    consts, arrays = inputs or (traced.closed.consts, traced.arrays)
+    outs, counts = evaluator.run(traced.closed.jaxpr, consts, arrays)
     return outs, _reduce(counts, evaluator.per_device, evaluator.mesh)
+
+
+def _tied_to(trip: jax.Array, xs: Sequence) -> list:
+    """``xs`` as values that XLA must take to depend on ``trip`` (an optimization barrier over
+    both; non-array leaves pass as they are).
+
+    A loop body that does not depend on its trip number is loop-invariant: XLA hoists all of it
+    out of the loop (while-loop invariant code motion), and a second trip would compute nothing
+    again. The barrier is opaque to that pass, and costs nothing at run time.
+    """
+    xs = list(xs)
+    at = [i for i, x in enumerate(xs) if isinstance(x, jax.Array | np.ndarray)]
+    _, tied = jax.lax.optimization_barrier((trip, [xs[i] for i in at]))
+    for i, x in zip(at, tied, strict=True):
+        xs[i] = x
+    return xs
 
 
 def _merge_recomputed(first: jax.Array, second: jax.Array, trips) -> jax.Array:
@@ -782,8 +801,11 @@ def _run_recomputing(program: _Program, config: ABFTConfig) -> tuple[list, Repor
     detect_only = dataclasses.replace(config, recompute=False, correct=False)
 
     def attempt(trip):
+        # The step's inputs tied to the trip: the body must be computed on each trip.
+        consts = _tied_to(trip, program.traced.closed.consts)
+        arrays = _tied_to(trip, program.traced.arrays)
         with inject.faults(_first_trip_only(plan, trip)):
-            return _run_checked(program, detect_only)
+            return _run_checked(program, detect_only, (consts, arrays))
 
     # The step traced once, run by the loop's body: evaluating it twice (for the loop's first
     # carry, then as the body) would trace every check of the step twice.
@@ -828,7 +850,7 @@ def checked(fn: Callable, config: ABFTConfig | None = None) -> Callable:
     Every GEMM whose operands are floating point of 16 bits or more (bf16, fp16, fp32, fp64,
     mixed, any ``preferred_element_type``) is checked, forward and backward; integer and fp8
     GEMMs pass through, and :func:`list_sites` says which and why. Each check is branch-free:
-    detection, location and the exact fix of one error per matrix add no control flow (each
+    detection and the exact fix of one flagged row per matrix add no control flow (each
     ``while`` or ``conditional`` would be a host sync on XLA:GPU).
 
     Args:
