@@ -392,15 +392,28 @@ def test_row_checksums_of_every_attention_gemm_match_the_definition(gemm, which)
 @pytest.mark.parametrize("gemm", list(ATTENTION_GEMMS))
 @pytest.mark.parametrize("which", ["forward", "grad_lhs", "grad_rhs"])
 def test_dot_and_reduction_formulations_of_the_checksums_agree(gemm, which):
-    """Both ways of forming ``A(Be)`` and its magnitude give the same numbers (the library
-    picks one per layout for speed; ``scripts/bench_checksum_products.py`` times both)."""
+    """Both ways of forming ``A(Be)`` give the same checksums and scale (the library picks one
+    per layout and dtype; ``scripts/bench_checksum_products.py`` times both). The reduction's
+    magnitude is the exact ``|A|(|B|e)``; the dot's, ``max|A|·Σ|B|e``, bounds it from above."""
     ct, a, b = attention_gemm(gemm, which, seed=1)
-    by_dot, by_reduction = (
+    (ref_dot, bound, scale_dot), (ref, magnitude, scale) = (
         _contract_with_line_sums(a, ct.lhs, b, ct.rhs, ct, ct.rhs_free, as_dot=as_dot)
         for as_dot in (True, False)
     )
-    for x, y in zip(by_dot, by_reduction, strict=True):
-        assert_close(x, y, jnp.float32)
+    assert_close(ref_dot, ref, jnp.float32)
+    np.testing.assert_array_equal(scale_dot, scale)
+    on_rows = scale.reshape(scale.shape + (1,) * (magnitude.ndim - scale.ndim))
+    b_letters = "".join(x for x in ct.rhs if x not in ct.rhs_free)  # batch and contracted
+    b_abs_sums = jnp.einsum(f"{ct.rhs}->{b_letters}", jnp.abs(b))
+    exact = jnp.einsum(
+        f"{ct.lhs},{b_letters}->{ct.without(ct.rhs_free)}",
+        jnp.abs(a),
+        b_abs_sums,
+        precision="highest",
+    )
+    assert_close(magnitude, exact * on_rows, jnp.float32)
+    # 1e-6 allows the float32 rounding of the two sides of the comparison.
+    assert bool(jnp.all(bound >= magnitude * (1 - 1e-6)))
 
 
 # --- A non-negative left operand (softmax probabilities): exact magnitude, same guarantees. ---

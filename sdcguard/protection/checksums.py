@@ -335,11 +335,12 @@ def _contract_with_line_sums(
     ``x``'s own layout, because XLA on the CPU lowers such a dot with a transpose of ``x`` or,
     for some layouts, a naive loop (measured up to 17x slower than the GEMM it checks).
 
-    The magnitude is exact (``x · |B|e``) when ``x`` is known to be non-negative (softmax
-    probabilities); otherwise it is ``max|x| · Σ|B|e`` over the contracted axes, a bound that
-    multiplies values of the operands and never squares them: a reduction of squares (the
-    Cauchy-Schwarz bound) overflows above ~1e19 and underflows below ~1e-19 in float32, and a
-    max costs the same pass over ``x`` as a sum of squares on XLA:CPU.
+    The magnitude is exact, ``|x| · |B|e``, where the products are a reduction (it is one more
+    output of the same pass over ``x``) or ``x`` is known to be non-negative (softmax
+    probabilities: ``x · |B|e``). With the matrix-vector dot it is ``max|x| · Σ|B|e`` over the
+    contracted axes: a dot cannot take ``|x|`` without a copy of it. Both multiply values of the
+    operands and never square them: a reduction of squares (the Cauchy-Schwarz bound) overflows
+    above ~1e19 and underflows below ~1e-19 in float32.
 
     ``as_dot`` forces one formulation of the products (None: :func:`products_as_dot`;
     ``scripts/bench_checksum_products.py`` times both).
@@ -384,22 +385,17 @@ def _contract_with_line_sums(
             # only lower it, which tightens the threshold (more alarms, never fewer).
             magnitude = _gemv(x, x_letters, w, v_letters, ct.contracted, kept)
         else:
-            # In x's own dtype (a max is exact in any), so a bf16 x is read as stored.
             x_max = jnp.max(jnp.abs(x), axis=contracted_axes).astype(f32)
+            w_total = jnp.sum(w, axis=axes_of(v_letters, ct.contracted))  # letters batch_in_v
+            magnitude = x_max * _along(w_total, batch_in_v, kept, x_max.shape)
     else:
-        # The products and the magnitude's max as one reduction: one pass over x.
+        # The products and the exact magnitude |x|·w as one reduction: one pass over x.
         x32 = x.astype(f32)
-        x_terms = {"ref": ("sum", x32 * along_x(v))}
-        if x_nonnegative:
-            x_terms["magnitude"] = ("sum", x32 * along_x(w))  # |x|·w, as above
-        else:
-            x_terms["x_max"] = ("max", jnp.abs(x32))
-        reduced = _reduce_together(x_terms, contracted_axes)
-        ref = reduced["ref"]
-        magnitude, x_max = reduced.get("magnitude"), reduced.get("x_max")
-    if not x_nonnegative:
-        w_total = jnp.sum(w, axis=axes_of(v_letters, ct.contracted))  # letters batch_in_v
-        magnitude = x_max * _along(w_total, batch_in_v, kept, x_max.shape)
+        reduced = _reduce_together(
+            {"ref": ("sum", x32 * along_x(v)), "magnitude": ("sum", jnp.abs(x32) * along_x(w))},
+            contracted_axes,
+        )
+        ref, magnitude = reduced["ref"], reduced["magnitude"]
     term = ct.without(summed_letters)
     perm = [kept.index(c) for c in term]
     scale = jnp.transpose(scale_v, [batch_in_v.index(c) for c in ct.batch])
@@ -546,7 +542,7 @@ class RowCheck(NamedTuple):
     row_sum: jax.Array  # Σ c·scale
     threshold: jax.Array  # the round-off bound of |row_sum - ref| on a clean row
     base_threshold: jax.Array  # the same without the rounding of a low-precision C (its Σ|c|)
-    magnitude: jax.Array  # the row's bound max|a|·Σ|B| of Σ|a||b| (before γ), scaled
+    magnitude: jax.Array  # the row's |A|(|B|e), or a bound of it (before γ), scaled
     scale: jax.Array  # the power of two per matrix (letters: the batch letters)
 
 
@@ -783,7 +779,7 @@ def _element_tolerance(
     """How far a clean element of ``C`` may lie from its recomputation ``exact``, in scaled units.
 
     Both are sums of ``k`` products in float32 or wider, each off by at most ``k·u_acc`` of the
-    element's ``Σ|a||b|``, which the row's ``max|a|·Σ|B|`` (``row_magnitude``) bounds; the
+    element's ``Σ|a||b|``, which the row's ``|A|(|B|e)`` (``row_magnitude``) bounds; the
     stored one was rounded once more, to ``c_dtype`` (at most ``u_out`` of itself), and its
     inputs perhaps by the backend (TF32); flushed subnormals add a little. Never above the row's
     threshold, so the fault that made a row fail its check is beyond it.
