@@ -21,6 +21,7 @@ from sdcguard.protection.abft import (
 from sdcguard.protection.checksums import (
     Contraction,
     _contract_with_line_sums,
+    _reduce_together,
     check_contraction,
     dot_general_to_einsum,
     line_checksums,
@@ -387,6 +388,20 @@ def test_row_checksums_of_every_attention_gemm_match_the_definition(gemm, which)
     # of the two sides of the comparison.
     assert bool(jnp.all(rows.threshold / scale >= gamma * magnitude * (1 - 1e-6)))
     assert bool(jnp.all(rows.deviation <= rows.threshold))
+
+
+def test_reductions_taken_together_equal_separate_ones():
+    """One variadic reduction gives what separate sums and maxima give, NaN propagated, for
+    float and integer arrays alike."""
+    x = jax.random.normal(jax.random.key(7), (3, 5, 7)).at[1, 2, 3].set(jnp.nan)
+    flags = (x > 0).astype(jnp.int8)
+    out = _reduce_together(
+        {"sum": ("sum", x), "max": ("max", jnp.abs(x)), "flags": ("max", flags)}, (1, 2)
+    )
+    np.testing.assert_allclose(out["sum"], jnp.sum(x, axis=(1, 2)), rtol=1e-6)
+    np.testing.assert_array_equal(out["max"], jnp.max(jnp.abs(x), axis=(1, 2)))
+    np.testing.assert_array_equal(out["flags"], jnp.max(flags, axis=(1, 2)))
+    assert np.isnan(out["sum"][1]) and np.isnan(out["max"][1])
 
 
 @pytest.mark.parametrize("gemm", list(ATTENTION_GEMMS))
