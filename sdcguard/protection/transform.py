@@ -802,8 +802,9 @@ def _run_recomputing(program: _Program, config: ABFTConfig) -> tuple[list, Repor
 
     def attempt(trip):
         # The step's inputs tied to the trip: the body must be computed on each trip.
-        consts = _tied_to(trip, program.traced.closed.consts)
-        arrays = _tied_to(trip, program.traced.arrays)
+        consts = list(program.traced.closed.consts)
+        tied = _tied_to(trip, [*consts, *program.traced.arrays])
+        consts, arrays = tied[: len(consts)], tied[len(consts) :]
         with inject.faults(_first_trip_only(plan, trip)):
             return _run_checked(program, detect_only, (consts, arrays))
 
