@@ -21,6 +21,7 @@ exits 0 (``--force`` runs the same code on whatever backend there is, at ``--siz
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -122,6 +123,7 @@ def bench_lm(size: str, dtype, rounds: int) -> dict:
     for name, config in VARIANTS.items():
         fn = step if config is None else sdcguard.checked(step, config)
         fns[name], compile_s[name] = compiled(fn, args)
+        print(f"{jnp.dtype(dtype).name} {name}: compiled in {compile_s[name]:.1f} s", flush=True)
     alarms = {}
     for name in VARIANTS:
         out = jax.block_until_ready(fns[name]())
@@ -203,8 +205,30 @@ def main() -> int:
         console.print(f"no GPU found (JAX's device is {device.device_kind}): nothing measured")
         return 0
     result = {"device": device.device_kind, "jax": jax.__version__, "size": args.size}
-    result["lm"] = [bench_lm(args.size, jnp.dtype(d), args.rounds) for d in args.dtypes]
-    result["gemm"] = bench_gemms(args.size, args.rounds)
+    result["lm"], failed = [], []
+    # The bf16 step first, then single GEMMs, then fp32: what the targets name comes first, and
+    # each section is written out as soon as it is measured, so a run cut short keeps it.
+    sections = [
+        ("lm", functools.partial(bench_lm, args.size, jnp.dtype(d), args.rounds))
+        for d in args.dtypes
+    ]
+    sections.insert(1, ("gemm", functools.partial(bench_gemms, args.size, args.rounds)))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for key, measure in sections:
+        start = time.perf_counter()
+        try:
+            value = measure()
+        except Exception as error:  # report it, keep what the other sections measure
+            failed.append(f"{key}: {type(error).__name__}: {error}")
+            console.print_exception(max_frames=8)
+            continue
+        if key == "lm":
+            result["lm"].append(value)
+        else:
+            result[key] = value
+        result["failed"] = failed
+        args.out.write_text(json.dumps(result, indent=2))
+        console.print(f"{key} measured in {time.perf_counter() - start:.0f} s, wrote {args.out}")
 
     table = Table(title=f"checked step / plain step on {device.device_kind} ({args.size})")
     for col in ("compute", "variant", "time", "ratio (IQR)", "compile", "clean alarms"):
@@ -223,7 +247,7 @@ def main() -> int:
     gemms = Table(title=f"one bf16 GEMM, checked / jnp.dot, {device.device_kind}")
     for col in ("M x K x N", "variant", "time", "ratio (IQR)"):
         gemms.add_column(col)
-    for shape, summary in result["gemm"].items():
+    for shape, summary in result.get("gemm", {}).items():
         for name, s in summary.items():
             gemms.add_row(shape, name, f"{s['median_s'] * 1e3:.3f} ms", _ratio(s))
     console.print(gemms)
@@ -233,10 +257,9 @@ def main() -> int:
                 f"{lm['dtype']}: INF at {site}: counts {f['counts']}, "
                 f"loss {f['loss']:.6f} (clean {f['clean_loss']:.6f})"
             )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    console.print(f"wrote {args.out}")
-    return 0
+    for failure in failed:
+        console.print(f"[red]not measured[/red]: {failure}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
