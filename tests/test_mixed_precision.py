@@ -414,3 +414,47 @@ def test_a_users_bf16_model_is_checked_everywhere_and_corrected(model_step):
 
 # A bf16 step's outputs against the plain step's: one bf16 ulp (see PARITY).
 TOL = dict(zip(("rtol", "atol"), PARITY[jnp.dtype(jnp.bfloat16)], strict=True))
+
+
+# --- The accumulation the checks assume ---------------------------------------------------------
+
+# Batched contractions whose contracted axis is not the operands' minor one: the dots that
+# XLA:CPU (jax 0.11) sums in bf16. Attention's key gradient (scores.grad_rhs) is the first.
+BATCHED_NON_MINOR = [
+    ("bhqk,bqhd->bhkd", (2, 2, 32, 32), (2, 32, 2, 32)),
+    ("bhqk,bkhd->bhqd", (2, 2, 32, 32), (2, 32, 2, 32)),
+    ("btd,bte->de", (2, 32, 64), (2, 32, 16)),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(("spec", "lhs_shape", "rhs_shape"), BATCHED_NON_MINOR)
+def test_a_checked_low_precision_gemm_sums_in_float32_and_rounds_once(
+    spec, lhs_shape, rhs_shape, dtype
+):
+    """The checks' tolerance assumes float32 accumulation; JAX leaves a bf16 dot's to the
+    backend. The checked GEMM equals the float32 sum of its products rounded once to its dtype,
+    and raises no alarm, whatever the backend's own dot does with these layouts."""
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, lhs_shape, dtype)
+    b = jax.random.normal(kb, rhs_shape, dtype)
+    out, report = jax.jit(sdcguard.checked(lambda a, b: jnp.einsum(spec, a, b)))(a, b)
+    exact = np.einsum(spec, np.asarray(a, np.float64), np.asarray(b, np.float64))
+    # float32 summation error is far below a bf16/fp16 ulp: at most a tie rounds differently.
+    rounded_once = np.asarray(jnp.asarray(exact, jnp.float32).astype(dtype), np.float32)
+    mismatched = np.mean(np.asarray(out, np.float32) != rounded_once)
+    assert mismatched < 1e-3, f"{mismatched:.1%} of the elements are not the rounded float32 sum"
+    np.testing.assert_array_equal(total(report), [0, 0, 0, 0])
+
+
+def test_on_the_cpu_a_checked_bf16_gemm_is_a_float32_dot():
+    """What makes the test above hold on every XLA:CPU: the program, not the backend's choice."""
+    a = jnp.ones((2, 2, 32, 32), jnp.bfloat16)
+    b = jnp.ones((2, 32, 2, 32), jnp.bfloat16)
+    fn = sdcguard.checked(lambda a, b: jnp.einsum("bhqk,bqhd->bhkd", a, b))
+    text = jax.jit(fn).lower(a, b).as_text()
+    if jax.default_backend() != "cpu":
+        pytest.skip("the backend's own accumulation: float32 on GPUs")
+    # The GEMM itself (the row recomputation of the in-place fix is float32 anyway).
+    gemms = [x for x in text.splitlines() if "stablehlo.dot_general" in x and "2x2x32x32x" in x]
+    assert len(gemms) == 1 and "xbf16>" not in gemms[0], gemms

@@ -35,16 +35,31 @@ def in_dot_order(ct: Contraction) -> Contraction:
     return Contraction(ct.lhs, ct.rhs, ct.batch + lhs_free + rhs_free)
 
 
-def dot(ct: Contraction, a, b, *, precision=None, preferred_element_type=None) -> jax.Array:
+def dot(
+    ct: Contraction,
+    a,
+    b,
+    *,
+    precision=None,
+    preferred_element_type=None,
+    float32_accumulation: bool = False,
+) -> jax.Array:
     """The GEMM of ``ct`` (output in dot order, see :func:`in_dot_order`) as ``lax.dot_general``.
 
     Operands of different dtypes are computed in their common dtype, as ``jnp.einsum`` does.
+    ``float32_accumulation`` computes a bf16/fp16 GEMM on XLA:CPU from float32 copies of its
+    operands, rounded once to its output dtype: see :func:`_pins_accumulation`.
     """
     dimension_numbers = (
         (axes_of(ct.lhs, ct.contracted), axes_of(ct.rhs, ct.contracted)),
         (axes_of(ct.lhs, ct.batch), axes_of(ct.rhs, ct.batch)),
     )
     dtype = jnp.result_type(a, b)
+    if float32_accumulation and _pins_accumulation(dtype):
+        out = jax.lax.dot_general(
+            a.astype(jnp.float32), b.astype(jnp.float32), dimension_numbers, precision=precision
+        )
+        return out.astype(preferred_element_type or dtype)
     return jax.lax.dot_general(
         a.astype(dtype),
         b.astype(dtype),
@@ -52,6 +67,21 @@ def dot(ct: Contraction, a, b, *, precision=None, preferred_element_type=None) -
         precision=precision,
         preferred_element_type=preferred_element_type,
     )
+
+
+def _pins_accumulation(dtype) -> bool:
+    """Whether a checked GEMM of ``dtype`` operands is computed from float32 copies of them.
+
+    The checks' tolerance assumes what GPUs do: products of bf16/fp16 operands summed in float32
+    and rounded once. JAX leaves a low-precision dot's accumulation to the backend, and XLA:CPU
+    (jax 0.11) sums some batched bf16 dots in bf16 (whose contraction is not the operand's minor
+    axis), ``DotAlgorithmPreset.BF16_BF16_F32`` notwithstanding: errors of a few percent, which
+    the checks would report as faults. On XLA:CPU (jax 0.10 computes every bf16/fp16 dot so,
+    bit for bit) the checked GEMM is therefore computed in float32 and rounded once; elsewhere
+    it is the backend's own.
+    """
+    low_precision = jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
+    return low_precision and jax.default_backend() == "cpu"
 
 
 def as_stored(x: jax.Array) -> jax.Array:
@@ -154,7 +184,12 @@ def checked_gemm(
     def local(a, b, plan, block):
         # The GEMM each device computes, on the blocks it holds (sdcguard.protection.sharding).
         c = dot(
-            contraction, a, b, precision=precision, preferred_element_type=preferred_element_type
+            contraction,
+            a,
+            b,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            float32_accumulation=check,
         )
         c = block.inject(c, plan, site, site_axes)
         if not check:
