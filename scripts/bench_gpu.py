@@ -15,6 +15,10 @@ It measures, side by side in one process (interleaved rounds, medians of per-rou
 - that clean steps raise no alarm, and that an INF injected at an MLP forward GEMM and at an
   MLP backward GEMM of the bf16 step is corrected.
 
+``--trace DIR`` also profiles two steps of each variant (``jax.profiler``) and prints where the
+device time goes: the kernels and the host's launch calls per step, and the costliest HLO
+instructions with the JAX operations they came from (``scripts/trace_summary.py``).
+
 Each figure is printed with the device kind it was measured on. Without a GPU it says so and
 exits 0 (``--force`` runs the same code on whatever backend there is, at ``--size tiny``).
 """
@@ -33,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import trace_summary
 from rich.console import Console
 from rich.table import Table
 from timing import interleaved, overheads, per_call
@@ -115,20 +120,21 @@ def lm_step(size: str, dtype):
 
 
 def compiled(fn, args):
-    """``(callable, compile seconds)``: lowering and XLA's compilation, timed together."""
+    """``(callable, compile seconds, HLO text)``: lowering and XLA's compilation, timed together."""
     start = time.perf_counter()
     c = jax.jit(fn).lower(*args).compile()
-    return (lambda: c(*args)), time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    return (lambda: c(*args)), seconds, c.as_text()
 
 
-def bench_lm(size: str, dtype, rounds: int) -> dict:
+def bench_lm(size: str, dtype, rounds: int, trace_dir: Path | None = None) -> dict:
     step, args = lm_step(size, dtype)
     names = FP32_VARIANTS if dtype == jnp.float32 else tuple(VARIANTS)
-    fns, compile_s = {}, {}
+    fns, compile_s, hlo = {}, {}, {}
     for name in names:
         config = VARIANTS[name]
         fn = step if config is None else sdcguard.checked(step, config)
-        fns[name], compile_s[name] = compiled(fn, args)
+        fns[name], compile_s[name], hlo[name] = compiled(fn, args)
         print(f"{jnp.dtype(dtype).name} {name}: compiled in {compile_s[name]:.1f} s", flush=True)
     alarms = {}
     for name in names:
@@ -140,6 +146,11 @@ def bench_lm(size: str, dtype, rounds: int) -> dict:
     sites = sdcguard.list_sites(step, *args)
     # Injected faults in the users' compute dtype: another compilation of the in-place step.
     faults = corrected_faults(step, args, sites) if dtype != jnp.float32 else {}
+    traces = {}
+    if trace_dir is not None:
+        for name in names:
+            where = trace_dir / f"{jnp.dtype(dtype).name}_{name.replace(' ', '_').replace(',', '')}"
+            traces[name] = trace_summary.profile(fns[name], hlo[name], where)
     return {
         "dtype": jnp.dtype(dtype).name,
         "checked_sites": sum(s.checked for s in sites),
@@ -148,6 +159,7 @@ def bench_lm(size: str, dtype, rounds: int) -> dict:
         "overheads": summary,
         "clean_alarms": alarms,
         "faults": faults,
+        "traces": traces,
     }
 
 
@@ -198,6 +210,24 @@ def _ratio(s: dict) -> str:
     return f"{1 + s['overhead']:.3f} ({1 + q1:.3f}-{1 + q3:.3f})"
 
 
+def _trace_table(title: str, trace: dict) -> Table:
+    launches = ", ".join(f"{k} {v:g}" for k, v in trace["launch_calls_per_call"].items()) or "-"
+    table = Table(
+        title=f"{title}: {trace['device_ms_per_call']:.2f} ms of device time, "
+        f"{trace['kernels_per_call']:g} kernels per step; launch calls: {launches}"
+    )
+    for col in ("HLO instruction", "ms per step", "runs", "op_name"):
+        table.add_column(col)
+    for op in trace["top"]:
+        table.add_row(
+            op["hlo_op"],
+            f"{op['ms_per_call']:.3f}",
+            f"{op['runs_per_call']:g}",
+            op["op_name"][-90:],
+        )
+    return table
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="d1024")
@@ -205,6 +235,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path("runs/bench_gpu.json"))
     parser.add_argument("--force", action="store_true", help="run without a GPU (use --size tiny)")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="also trace two steps of each variant into this folder and print where the "
+        "device time goes (kernels, launches, the costliest HLO instructions)",
+    )
     args = parser.parse_args()
     console = Console(width=max(Console().width, 140))
     device = jax.devices()[0]
@@ -216,7 +253,7 @@ def main() -> int:
     # The bf16 step first, then single GEMMs, then fp32: what the targets name comes first, and
     # each section is written out as soon as it is measured, so a run cut short keeps it.
     sections = [
-        ("lm", functools.partial(bench_lm, args.size, jnp.dtype(d), args.rounds))
+        ("lm", functools.partial(bench_lm, args.size, jnp.dtype(d), args.rounds, args.trace))
         for d in args.dtypes
     ]
     sections.insert(1, ("gemm", functools.partial(bench_gemms, args.size, args.rounds)))
@@ -264,6 +301,9 @@ def main() -> int:
                 f"{lm['dtype']}: INF at {site}: counts {f['counts']}, "
                 f"loss {f['loss']:.6f} (clean {f['clean_loss']:.6f})"
             )
+    for lm in result["lm"]:
+        for name, trace in lm["traces"].items():
+            console.print(_trace_table(f"{lm['dtype']} {name}", trace))
     for failure in failed:
         console.print(f"[red]not measured[/red]: {failure}")
     return 1 if failed else 0

@@ -1,10 +1,15 @@
-"""``scripts/bench_gpu.py`` runs where there is no GPU: it says so and exits 0."""
+"""``scripts/bench_gpu.py`` runs where there is no GPU: it says so and exits 0; its ``--trace``
+summary reads a real profiler trace and refuses one that holds no XLA events."""
 
+import gzip
+import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -23,3 +28,38 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "no GPU found" in run.stdout
     assert not out.exists()  # nothing measured, nothing written
+
+
+def _trace_summary():
+    spec = importlib.util.spec_from_file_location("trace_summary", SCRIPTS / "trace_summary.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_trace_says_where_the_device_time_goes(tmp_path):
+    """``bench_gpu.py --trace``: a profiled call, its time summed per HLO instruction, each named
+    by the JAX operation it came from; a loop counts by its body's instructions, not twice."""
+    trace_summary = _trace_summary()
+
+    def fn(x, w):
+        body = lambda i, x: jnp.tanh(x @ w)
+        return jax.lax.fori_loop(0, jnp.int32(x[0, 0] > -10) + 2, body, x)
+
+    x = jnp.ones((256, 256)) * 0.01
+    compiled = jax.jit(fn).lower(x, x).compile()
+    compiled(x, x)
+    summary = trace_summary.profile(lambda: compiled(x, x), compiled.as_text(), tmp_path, calls=2)
+    top = summary["top"]
+    assert summary["kernels_per_call"] >= 2 and summary["device_ms_per_call"] > 0
+    assert not any(op["hlo_op"].startswith("while") for op in top), top
+    assert any("dot_general" in op["op_name"] for op in top), top
+    assert sum(op["ms_per_call"] for op in top) <= summary["device_ms_per_call"] * 1.0001
+
+
+def test_a_trace_without_xla_events_is_refused(tmp_path):
+    trace = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": [{"ph": "X", "pid": 1, "name": "python", "dur": 5}]}, f)
+    with pytest.raises(ValueError, match="no event of an HLO instruction"):
+        _trace_summary().summarize(trace, {}, calls=1)
