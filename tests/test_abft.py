@@ -548,3 +548,37 @@ def test_sharding_counts_the_same_counters():
     from sdcguard.protection import abft, sharding
 
     assert sharding.NUM_COUNTERS == abft.NUM_COUNTERS == len(abft.Counts._fields)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_where_the_backend_sums_low_precision_in_float32_the_row_reads_b_as_stored(
+    monkeypatch, dtype
+):
+    """On a GPU the flagged row of a bf16/fp16 GEMM is computed from ``B`` as stored, its
+    products summed in float32 (no float32 copy of ``B``: a fifth of the traffic); the row it
+    puts back equals the clean one to the GEMM's rounding, as the float32 copy's does."""
+    monkeypatch.setattr(checksums, "backend_sums_low_precision_in_float32", lambda: True)
+    ct = Contraction.parse("mk,kn->mn", 2, 2)
+    ka, kb = jax.random.split(jax.random.key(3))
+    a = jax.random.normal(ka, (32, 64)).astype(dtype)
+    b = jax.random.normal(kb, (64, 48)).astype(dtype)
+    clean = jnp.einsum(ct.spec, a, b)
+    corrupted = clean.at[5, 7].set(jnp.inf).at[5, 30].multiply(3.0)
+
+    def check(c, a, b):
+        return check_contraction(c, a, b, ct, config=ABFTConfig())
+
+    recompute_dots = [
+        e
+        for e in jax.make_jaxpr(check)(corrupted, a, b).eqns
+        if e.primitive.name == "dot_general" and e.invars[1].aval.shape == b.shape
+    ]
+    assert len(recompute_dots) == 1
+    (dot,) = recompute_dots
+    assert dot.invars[1].aval.dtype == dtype and dot.outvars[0].aval.dtype == jnp.float32
+    fixed, counts = jax.jit(check)(corrupted, a, b)
+    np.testing.assert_array_equal(counts, [1, 1, 0, 0])
+    assert_close(fixed, clean, dtype)
+    untouched = np.ones(clean.shape, bool)
+    untouched[5] = False
+    np.testing.assert_array_equal(np.asarray(fixed)[untouched], np.asarray(clean)[untouched])

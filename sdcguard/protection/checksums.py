@@ -53,6 +53,17 @@ def unit_roundoff(dtype) -> float:
     return float(jnp.finfo(dtype).eps) / 2
 
 
+def backend_sums_low_precision_in_float32() -> bool:
+    """Whether the default backend computes a bf16/fp16 dot asked for a float32 result from its
+    operands as stored, summing their products in float32.
+
+    GPUs do (cuBLAS and Triton GEMMs, natively). XLA:CPU cannot run every such dot (its
+    ``DotThunk`` rejects "BF16 x BF16 = F32" for some layouts) and, from jax 0.11, sums some
+    batched bf16 dots in bf16 even so; there the operands are widened to float32 first.
+    """
+    return jax.default_backend() != "cpu"
+
+
 def input_rounding(dtype, precision=None, backend: str | None = None) -> float:
     """Unit round-off of the backend's rounding of matmul *inputs* (0 when exact)."""
     backend = backend or jax.default_backend()
@@ -803,19 +814,26 @@ def _recomputed_rows(a, b, ct: Contraction, matrix_at: dict, dims: dict) -> jax.
     The row of ``a`` is gathered (``K`` numbers per matrix); ``b`` is read whole, as a
     vector-matrix product per matrix, in its own layout.
     """
-    acc = jnp.promote_types(jnp.float32, jnp.result_type(a.dtype, b.dtype))
+    common = jnp.result_type(a.dtype, b.dtype)
+    acc = jnp.promote_types(jnp.float32, common)
     lhs_lines = _gather_lines(
         a, ct.lhs, {x: matrix_at[x] for x in ct.lhs if x in matrix_at}, ct.contracted
     )
     batch_shape = tuple(dims[x] for x in ct.batch)
     lhs_k = "".join(x for x in ct.lhs if x in ct.contracted)
     rhs_free = "".join(x for x in ct.out if x in ct.rhs_free)  # the output's order
-    rows = jnp.einsum(
-        f"{ct.batch}{lhs_k},{ct.rhs}->{ct.batch}{rhs_free}",
-        lhs_lines.reshape(*batch_shape, *lhs_lines.shape[1:]).astype(acc),
-        b.astype(acc),
-        precision=lax.Precision.HIGHEST,
-    )
+    spec = f"{ct.batch}{lhs_k},{ct.rhs}->{ct.batch}{rhs_free}"
+    lhs_lines = lhs_lines.reshape(*batch_shape, *lhs_lines.shape[1:])
+    if acc != common and backend_sums_low_precision_in_float32():
+        # bf16/fp16: each product is exact in float32 and the backend sums them in float32;
+        # reading B as stored is a fifth of the traffic of a float32 copy made and read.
+        rows = jnp.einsum(
+            spec, lhs_lines.astype(common), b.astype(common), preferred_element_type=acc
+        )
+    else:
+        rows = jnp.einsum(
+            spec, lhs_lines.astype(acc), b.astype(acc), precision=lax.Precision.HIGHEST
+        )
     return rows.reshape(math.prod(batch_shape), -1)
 
 

@@ -22,7 +22,12 @@ import jax.numpy as jnp
 
 from sdcguard.fault_model import inject
 from sdcguard.protection import sharding
-from sdcguard.protection.checksums import Contraction, axes_of, check_contraction
+from sdcguard.protection.checksums import (
+    Contraction,
+    axes_of,
+    backend_sums_low_precision_in_float32,
+    check_contraction,
+)
 from sdcguard.protection.config import ABFTConfig, zero_counts
 
 __all__ = ["as_stored", "checked_gemm", "dot", "implementation_for", "in_dot_order"]
@@ -78,10 +83,11 @@ def _pins_accumulation(dtype) -> bool:
     axis), ``DotAlgorithmPreset.BF16_BF16_F32`` notwithstanding: errors of a few percent, which
     the checks would report as faults. On XLA:CPU (jax 0.10 computes every bf16/fp16 dot so,
     bit for bit) the checked GEMM is therefore computed in float32 and rounded once; elsewhere
-    it is the backend's own.
+    it is the backend's own (see
+    :func:`~sdcguard.protection.checksums.backend_sums_low_precision_in_float32`).
     """
     low_precision = jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
-    return low_precision and jax.default_backend() == "cpu"
+    return low_precision and not backend_sums_low_precision_in_float32()
 
 
 def as_stored(x: jax.Array) -> jax.Array:
