@@ -426,12 +426,22 @@ def _walk(
     return [flow(v) for v in jaxpr.outvars]
 
 
+def scan_consts_and_carry(params) -> tuple[int, int]:
+    """How many of a ``scan`` equation's operands are constants and how many the carry (the
+    rest are the scanned inputs): jax 0.10 names the counts; jax 0.11 packs the operands' tree
+    in ``ft_in`` (constants, carry, inputs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(list(consts)), len(list(carry))
+
+
 def _is_carry(eqn, i: int) -> bool:
     """Whether operand ``i`` of a scan is a loop carry (its body's input changes per step)."""
-    p = eqn.params
     if eqn.primitive.name != "scan":
         return False
-    return p["num_consts"] <= i < p["num_consts"] + p["num_carry"]
+    n_consts, n_carry = scan_consts_and_carry(eqn.params)
+    return n_consts <= i < n_consts + n_carry
 
 
 def _keeps_params(eqn, ins: list[Flow]) -> bool:

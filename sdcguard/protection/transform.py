@@ -547,7 +547,8 @@ class _Evaluator:
 
     def _scan(self, eqn, invals):
         p = eqn.params
-        closed, n_consts, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
+        closed = p["jaxpr"]
+        n_consts, n_carry = naming.scan_consts_and_carry(p)
         consts, carry, xs = (
             invals[:n_consts],
             invals[n_consts : n_consts + n_carry],

@@ -48,8 +48,8 @@ row whose sum overflows float32, ``|v| ≳ 1e36``, is counted as a non-finite in
 
 Interpret mode: GPU interpret mode (``force_gpu_interpret_mode``) runs everything here but
 the WGMMAs with their real semantics (TMA copies, barriers, the three warpgroups); it has no
-rule for ``transpose_ref`` operands, registers as the A operand or layout casts, so while
-interpreting, the products are ``jnp.dot`` with fp32 accumulation (what WGMMA computes) and
+rule for transposed operands (``ref.transpose``), registers as the A operand or layout casts, so
+while interpreting, the products are ``jnp.dot`` with fp32 accumulation (what WGMMA computes) and
 layouts are left to the interpreter. :func:`interpreting` says which.
 
 Why one module: the forward and backward kernels share their checksum operands
@@ -387,7 +387,7 @@ def _mma(a, b_ref, shape, *, transpose_b: bool):
         b_val = b_ref[...]
         b_val = b_val.T if transpose_b else b_val
         return jnp.dot(a_val, b_val, preferred_element_type=jnp.float32)
-    b = plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref
+    b = b_ref.transpose((1, 0)) if transpose_b else b_ref
 
     def compute(acc_ref):
         plgpu.wgmma(acc_ref, a, b)

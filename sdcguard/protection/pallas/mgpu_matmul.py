@@ -433,7 +433,7 @@ def _kernel(
                 plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem)
                 if check:
                     # The tile's expected row sums: A·Bc, 8 columns, from the same A panel.
-                    bc_operand = bc_smem if interpret else plgpu.transpose_ref(bc_smem, (1, 0))
+                    bc_operand = bc_smem if interpret else bc_smem.transpose((1, 0))
                     plgpu.wgmma(chk_ref, a_smem.at[wg_rows], bc_operand)
                 plgpu.wgmma_wait(0)
                 return rest[-1]
