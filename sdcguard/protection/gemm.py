@@ -60,11 +60,12 @@ def dot(
         (axes_of(ct.lhs, ct.batch), axes_of(ct.rhs, ct.batch)),
     )
     dtype = jnp.result_type(a, b)
-    if float32_accumulation and _pins_accumulation(dtype):
+    out_dtype = jnp.dtype(preferred_element_type or dtype)
+    if float32_accumulation and _pins_accumulation(dtype, out_dtype):
         out = jax.lax.dot_general(
             a.astype(jnp.float32), b.astype(jnp.float32), dimension_numbers, precision=precision
         )
-        return out.astype(preferred_element_type or dtype)
+        return out.astype(out_dtype)
     return jax.lax.dot_general(
         a.astype(dtype),
         b.astype(dtype),
@@ -74,8 +75,9 @@ def dot(
     )
 
 
-def _pins_accumulation(dtype) -> bool:
-    """Whether a checked GEMM of ``dtype`` operands is computed from float32 copies of them.
+def _pins_accumulation(dtype, out_dtype) -> bool:
+    """Whether a checked GEMM of ``dtype`` operands and ``out_dtype`` result is computed from
+    float32 copies of its operands.
 
     The checks' tolerance assumes what GPUs do: products of bf16/fp16 operands summed in float32
     and rounded once. JAX leaves a low-precision dot's accumulation to the backend, and XLA:CPU
@@ -86,8 +88,13 @@ def _pins_accumulation(dtype) -> bool:
     it is the backend's own (see
     :func:`~sdcguard.protection.checksums.backend_sums_low_precision_in_float32`).
     """
-    low_precision = jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
-    return low_precision and not backend_sums_low_precision_in_float32()
+
+    def low_precision(t):
+        return jnp.issubdtype(t, jnp.floating) and jnp.finfo(t).bits < 32
+
+    # A float32 result (``preferred_element_type``) is the backend's float32 sum already.
+    pinned = low_precision(dtype) and low_precision(out_dtype)
+    return pinned and not backend_sums_low_precision_in_float32()
 
 
 def as_stored(x: jax.Array) -> jax.Array:
