@@ -53,6 +53,11 @@ def unit_roundoff(dtype) -> float:
     return float(jnp.finfo(dtype).eps) / 2
 
 
+def narrower_than_float32(dtype) -> bool:
+    """Whether ``dtype`` is a floating dtype of less precision than float32 (bf16, fp16)."""
+    return jnp.issubdtype(dtype, jnp.floating) and unit_roundoff(dtype) > unit_roundoff(jnp.float32)
+
+
 def backend_sums_low_precision_in_float32() -> bool:
     """Whether the default backend computes a bf16/fp16 dot asked for a float32 result from its
     operands as stored, summing their products in float32.
@@ -590,7 +595,7 @@ def _line_sums_of_c(c, scale, summed_axes) -> dict[str, jax.Array]:
     """
     c32 = c.astype(jnp.float32) * scale
     terms = {"sum": ("sum", c32)}
-    if unit_roundoff(c.dtype) > unit_roundoff(jnp.float32):
+    if narrower_than_float32(c.dtype):
         terms["abs_sum"] = ("sum", jnp.abs(c32))
     return _reduce_together(terms, summed_axes)
 
@@ -618,7 +623,7 @@ def _line_threshold(magnitude, scale, c_dtype, a_dtype, precision, *, k, n_line,
     # operand wider than float32 is rounded to it for the checksums.
     wide = max(jnp.dtype(c_dtype).itemsize, jnp.dtype(a_dtype).itemsize) > 4
     input_unit = input_rounding(a_dtype, precision) + (unit_roundoff(jnp.float32) if wide else 0)
-    low_precision_out = unit_roundoff(c_dtype) > unit_roundoff(jnp.float32)
+    low_precision_out = narrower_than_float32(c_dtype)
     gamma = roundoff_gamma(
         # A low-precision C's own rounding is bounded below, by the line it actually has.
         out_dtype=jnp.float32 if (low_precision_out or wide) else c_dtype,
@@ -768,7 +773,7 @@ def check_contraction(
     # As stored in c's dtype (an fp16 row may overflow there), scaled into float32's range.
     exact_max = jnp.abs(exact_c.astype(exact.dtype) * scale[:, None]).astype(jnp.float32)
     after = {"sum": ("sum", repaired_scaled), "exact_max": ("max", exact_max)}
-    if unit_roundoff(c.dtype) > unit_roundoff(jnp.float32):
+    if narrower_than_float32(c.dtype):
         after["abs_sum"] = ("sum", jnp.abs(repaired_scaled))
     after = _reduce_together(after, (1,))
     threshold_after = base_threshold + _output_rounding(
@@ -815,7 +820,7 @@ def _recomputed_rows(a, b, ct: Contraction, matrix_at: dict, dims: dict) -> jax.
     vector-matrix product per matrix, in its own layout.
     """
     common = jnp.result_type(a.dtype, b.dtype)
-    acc = jnp.promote_types(jnp.float32, common)
+    acc = jnp.promote_types(jnp.float32, common)  # float32, or float64 for float64
     lhs_lines = _gather_lines(
         a, ct.lhs, {x: matrix_at[x] for x in ct.lhs if x in matrix_at}, ct.contracted
     )
@@ -824,7 +829,7 @@ def _recomputed_rows(a, b, ct: Contraction, matrix_at: dict, dims: dict) -> jax.
     rhs_free = "".join(x for x in ct.out if x in ct.rhs_free)  # the output's order
     spec = f"{ct.batch}{lhs_k},{ct.rhs}->{ct.batch}{rhs_free}"
     lhs_lines = lhs_lines.reshape(*batch_shape, *lhs_lines.shape[1:])
-    if acc != common and backend_sums_low_precision_in_float32():
+    if narrower_than_float32(common) and backend_sums_low_precision_in_float32():
         # bf16/fp16: each product is exact in float32 and the backend sums them in float32;
         # reading B as stored is a fifth of the traffic of a float32 copy made and read.
         rows = jnp.einsum(

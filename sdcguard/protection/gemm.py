@@ -27,6 +27,7 @@ from sdcguard.protection.checksums import (
     axes_of,
     backend_sums_low_precision_in_float32,
     check_contraction,
+    narrower_than_float32,
 )
 from sdcguard.protection.config import ABFTConfig, zero_counts
 
@@ -88,12 +89,8 @@ def _pins_accumulation(dtype, out_dtype) -> bool:
     it is the backend's own (see
     :func:`~sdcguard.protection.checksums.backend_sums_low_precision_in_float32`).
     """
-
-    def low_precision(t):
-        return jnp.issubdtype(t, jnp.floating) and jnp.finfo(t).bits < 32
-
     # A float32 result (``preferred_element_type``) is the backend's float32 sum already.
-    pinned = low_precision(dtype) and low_precision(out_dtype)
+    pinned = narrower_than_float32(dtype) and narrower_than_float32(out_dtype)
     return pinned and not backend_sums_low_precision_in_float32()
 
 
