@@ -11,8 +11,8 @@
 3. Wall time of ``sdcguard scan`` over five local nodes (each a process started through a
    launcher, as ``ssh {node}`` would: start-up and compilation included), all levels, the
    task's 3 steps, ``--jobs 5``: five healthy nodes (exit 0), and five with one made to
-   corrupt silently by ``tests/replay_launcher.py`` (exit 1: the suspect is rerun lock-stepped
-   to a majority node). Next to them, in the same run, one node alone (``sdcguard record`` in
+   corrupt silently by ``tests/helpers/replay_launcher.py`` (exit 1: the suspect is rerun
+   lock-stepped to a majority node). Next to them, in the same run, one node alone (``sdcguard record`` in
    a fresh process), interleaved, median of ``--scan-repeats``.
 
 Usage:
@@ -159,7 +159,7 @@ def bench_scan(repeats: int) -> dict:
     python = sys.executable
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
     command = [python, "-m", "sdcguard.replay.command"]
-    launcher = f"{python} {os.path.join(ROOT, 'tests', 'replay_launcher.py')} {{node}}"
+    launcher = f"{python} {os.path.join(ROOT, 'tests', 'helpers', 'replay_launcher.py')} {{node}}"
     scratch = tempfile.mkdtemp(prefix="bench-scan-")
     scan = [
         *command,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tolerances import assert_close
+from tests.helpers.tolerances import assert_close
 
 from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.protection import checksums

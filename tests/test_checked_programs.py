@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from multidevice import needs_8, run_on_8_devices
-from tolerances import assert_close
+from tests.helpers.multidevice import needs_8, run_on_8_devices
+from tests.helpers.tolerances import assert_close
 
 import sdcguard
 from sdcguard.fault_model.inject import Fault, FaultPlan

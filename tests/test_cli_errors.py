@@ -14,13 +14,14 @@ import sys
 
 import pytest
 
+from tests.helpers import REPLAY_LAUNCHER
 from sdcguard import cli
 from sdcguard.replay import command, nodes, report, trace
 from sdcguard.replay.record import RecordOptions, record_trace
 
-TINY = "tests.replay_tasks:tiny"
+TINY = "tests.helpers.replay_tasks:tiny"
 HERE = os.path.dirname(os.path.abspath(__file__))
-LAUNCHER = f"{sys.executable} {os.path.join(HERE, 'replay_launcher.py')} {{node}}"
+LAUNCHER = f"{sys.executable} {REPLAY_LAUNCHER} {{node}}"
 REMOTE = f"{sys.executable} -m sdcguard.replay.command"
 
 
@@ -147,15 +148,21 @@ def test_campaign_names_replay_only_sites(tmp_path, capsys):
 
 def test_task_function_that_raises_exit_2(monkeypatch, capsys):
     monkeypatch.setenv("SDCGUARD_TEST_TASK_RAISES", "1")
-    assert command.main(["compare", "--task", "tests.replay_tasks:raising"]) == 2
+    assert command.main(["compare", "--task", "tests.helpers.replay_tasks:raising"]) == 2
     line = _one_error_line(capsys.readouterr().err)
-    assert "the task function tests.replay_tasks:raising raised RuntimeError: no training" in line
+    assert (
+        "the task function tests.helpers.replay_tasks:raising raised RuntimeError: no training"
+        in line
+    )
 
 
 def test_task_that_raises_on_the_node_names_the_node(tmp_path, capsys):
     # A's trace is fine; on host n1 the task raises: the error names the node and says why.
     a = tmp_path / "a"
-    assert command.main(["record", "--task", "tests.replay_tasks:raising", "--out", str(a)]) == 0
+    assert (
+        command.main(["record", "--task", "tests.helpers.replay_tasks:raising", "--out", str(a)])
+        == 0
+    )
     argv = [
         "compare",
         "--node-a",

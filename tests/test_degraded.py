@@ -13,8 +13,8 @@ import numpy as np
 import optax
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
-from multidevice import needs_8, run_on_8_devices
-from tolerances import TOLERANCES, assert_close
+from tests.helpers.multidevice import needs_8, run_on_8_devices
+from tests.helpers.tolerances import TOLERANCES, assert_close
 
 from sdcguard.guard.degraded import (
     DegradedConfig,

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from multidevice import needs_8, run_on_8_devices
+from tests.helpers.multidevice import needs_8, run_on_8_devices
 
 from sdcguard import cli
 

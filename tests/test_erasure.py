@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from multidevice import needs_8, run_on_8_devices
+from tests.helpers.multidevice import needs_8, run_on_8_devices
 
 from sdcguard.guard.erasure import CodedSnapshot, ErasureCode, HostMemory, SnapshotLost
 from sdcguard.guard.recovery import SnapshotCorrupted, SnapshotRing, TrainState

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from flax.core import pop
-from tolerances import PARITY, TOLERANCES, assert_close
+from tests.helpers.tolerances import PARITY, TOLERANCES, assert_close
 
 from sdcguard import linen as sl
 from sdcguard import nnx as snnx

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 from jax._src.interpreters import mlir
-from multidevice import needs_8, run_on_8_devices
+from tests.helpers.multidevice import needs_8, run_on_8_devices
 
 import sdcguard
 from sdcguard.fault_model.inject import Fault, FaultPlan

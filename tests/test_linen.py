@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tolerances import PARITY, TOLERANCES, assert_close
+from tests.helpers.tolerances import PARITY, TOLERANCES, assert_close
 
 import sdcguard
 from sdcguard import linen as sl

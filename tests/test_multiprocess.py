@@ -10,9 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import MULTIPROCESS_WORKER
 from sdcguard.guard.update_guard import Reason
 
-WORKER = Path(__file__).with_name("multiprocess_worker.py")
+WORKER = MULTIPROCESS_WORKER
 
 
 def free_port() -> int:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import sdcguard.nnx as snnx
 from flax import nnx
-from tolerances import PARITY, TOLERANCES, assert_close
+from tests.helpers.tolerances import PARITY, TOLERANCES, assert_close
 
 from sdcguard.fault_model.inject import Fault, FaultPlan, faults
 

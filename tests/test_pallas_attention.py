@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tolerances import assert_close
+from tests.helpers.tolerances import assert_close
 
 from sdcguard import linen as sl
 from sdcguard import nnx as snnx

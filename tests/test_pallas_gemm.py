@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tolerances import TOLERANCES
+from tests.helpers.tolerances import TOLERANCES
 
 from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.protection import abft

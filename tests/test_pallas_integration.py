@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 from sdcguard.linen import backward_site_counts, site_counts
-from tolerances import assert_close
+from tests.helpers.tolerances import assert_close
 
 from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.models import ByteBatches, GPTConfig

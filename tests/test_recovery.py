@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from multidevice import needs_8, run_on_8_devices
+from tests.helpers.multidevice import needs_8, run_on_8_devices
 
 from sdcguard.guard import snapshots
 from sdcguard.guard.recovery import (

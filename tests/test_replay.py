@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from tests.helpers import REPLAY_LAUNCHER
 from sdcguard.replay import command, diff
 from sdcguard.replay.compare import CompareOptions, compare_nodes
 from sdcguard.replay.record import RecordOptions, open_trace, record_trace
@@ -206,7 +207,7 @@ def test_two_subprocesses_and_launcher_bit_identical(tmp_path):
     env.pop("XLA_FLAGS", None)
     remote = f"{sys.executable} -m sdcguard.replay.command"
     here = os.path.dirname(os.path.abspath(__file__))
-    launcher = f"{sys.executable} {os.path.join(here, 'replay_launcher.py')} {{node}}"
+    launcher = f"{sys.executable} {REPLAY_LAUNCHER} {{node}}"
     argv = [
         sys.executable,
         "-m",
@@ -334,7 +335,7 @@ def test_nnx_task_replays_and_detects(tmp_path):
 def test_gemm_sites_of_any_model_are_listed_and_injected(tmp_path, capsys):
     """``ReplayTask(gemm_sites=True)``: every GEMM (forward and backward) is a site, named as
     sdcguard.checked names it; a fault at a backward GEMM is blamed on its module."""
-    task = "tests.replay_tasks:tiny_gemms"
+    task = "tests.helpers.replay_tasks:tiny_gemms"
     assert command.main(["sites", "--task", task]) == 0
     sites = capsys.readouterr().out.split()
     for s in ("a:dot_general", "b:dot_general.grad_rhs", "a:output"):

@@ -1,10 +1,10 @@
 """``sdcguard scan``: the node that corrupts silently is named, alone; healthy nodes are not.
 
-The nodes are local processes started through ``tests/replay_launcher.py``, a stand-in for
+The nodes are local processes started through ``tests/helpers/replay_launcher.py``, a stand-in for
 ``ssh {node}`` that prints a 100 KB login banner first. On node ``n3`` it puts a
 ``sitecustomize`` on the path that makes every compiled program return one wrong number: no
 sdcguard fault plan, the same programs and fingerprint as the healthy nodes. The task
-(``tests.replay_tasks:printing``) prints 100 KB itself. One scan of five launched nodes is
+(``tests.helpers.replay_tasks:printing``) prints 100 KB itself. One scan of five launched nodes is
 shared by the tests; the others reuse its traces.
 """
 
@@ -18,12 +18,13 @@ import sys
 
 import pytest
 
+from tests.helpers import REPLAY_LAUNCHER
 from sdcguard.replay import command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TASK = "tests.replay_tasks:printing"
-LAUNCHER = f"{sys.executable} {os.path.join(HERE, 'replay_launcher.py')} {{node}}"
+TASK = "tests.helpers.replay_tasks:printing"
+LAUNCHER = f"{sys.executable} {REPLAY_LAUNCHER} {{node}}"
 REMOTE = f"{sys.executable} -m sdcguard.replay.command"
 NODES = ("n1", "n2", "n3", "n4", "n5")
 

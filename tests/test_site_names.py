@@ -9,9 +9,9 @@ nothing; an ``include`` pattern selects one layer; the attention core is ``:scor
 has no module keeps its call path, tied weights count, a scanned stack is one site.
 """
 
-import equinox_model
+from tests.helpers import equinox_model
 import flax.linen as nn
-import flax_example_lm
+from tests.helpers import flax_example_lm
 import jax
 import jax.numpy as jnp
 import numpy as np

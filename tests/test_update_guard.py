@@ -12,7 +12,7 @@ import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from multidevice import needs_8, run_on_8_devices
+from tests.helpers.multidevice import needs_8, run_on_8_devices
 
 from sdcguard.guard.integrity import host_fingerprint
 from sdcguard.guard.update_guard import (
