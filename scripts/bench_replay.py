@@ -12,8 +12,8 @@
    launcher, as ``ssh {node}`` would: start-up and compilation included), all levels, the
    task's 3 steps, ``--jobs 5``: five healthy nodes (exit 0), and five with one made to
    corrupt silently by ``tests/helpers/replay_launcher.py`` (exit 1: the suspect is rerun
-   lock-stepped to a majority node). Next to them, in the same run, one node alone (``sdcguard record`` in
-   a fresh process), interleaved, median of ``--scan-repeats``.
+   lock-stepped to a majority node). Next to them, in the same run, one node alone
+   (``sdcguard record`` in a fresh process), interleaved, median of ``--scan-repeats``.
 
 Usage:
   python scripts/bench_replay.py [--repeats 20] [--scan-repeats 2] [--only capture,compare,scan]

@@ -42,13 +42,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import sdcguard.linen as sl
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
 from rich.table import Table
 
 import sdcguard
+import sdcguard.linen as sl
 from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.protection.transform import total
 

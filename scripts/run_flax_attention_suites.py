@@ -92,9 +92,10 @@ class Swap:
 
     def pytest_sessionstart(self, session):
         import flax.linen as nn
+        from flax import nnx
+
         import sdcguard.linen as sl
         import sdcguard.nnx as snnx
-        from flax import nnx
 
         plugin = self
         if self.mode == "dropin":
@@ -127,6 +128,7 @@ class Swap:
         if self.mode != "protect" or "linen" not in item.path.name:
             return (yield)
         import flax.linen as nn
+
         import sdcguard.linen as sl
 
         plugin = self
@@ -189,9 +191,10 @@ def bit_identity_survey() -> list[dict]:
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
+    from flax import nnx
+
     import sdcguard.linen as sl
     import sdcguard.nnx as snnx
-    from flax import nnx
 
     dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
     rows = []

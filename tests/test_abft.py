@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.helpers.tolerances import assert_close
 
 from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.protection import checksums
@@ -29,6 +28,8 @@ from sdcguard.protection.checksums import (
     roundoff_gamma,
 )
 from sdcguard.protection.gemm import in_dot_order
+
+from tests.helpers.tolerances import assert_close
 
 SPEC = "bhqd,bhkd->bhqk"  # the scores GEMM
 SITE = "t:scores"

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.helpers.tolerances import assert_close
 
 from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.protection.abft import ABFTConfig, check_softmax_rows, checked_einsum, unsafe_checks
 from sdcguard.protection.checksums import Contraction, underflow_slack
 from sdcguard.protection.pallas import flash, matmul
+
+from tests.helpers.tolerances import assert_close
 
 SPEC = "bmk,bkn->bmn"
 SHAPES = ((2, 16, 32), (2, 32, 24))

@@ -12,13 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.helpers.multidevice import needs_8, run_on_8_devices
-from tests.helpers.tolerances import assert_close
 
 import sdcguard
 from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.protection.abft import ABFTConfig, unsafe_checks
 from sdcguard.protection.transform import list_sites, total
+
+from tests.helpers.multidevice import needs_8, run_on_8_devices
+from tests.helpers.tolerances import assert_close
 
 KEY = jax.random.key(0)
 W = jax.random.normal(KEY, (3, 8, 8)) / 3

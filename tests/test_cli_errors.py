@@ -14,10 +14,11 @@ import sys
 
 import pytest
 
-from tests.helpers import REPLAY_LAUNCHER
 from sdcguard import cli
 from sdcguard.replay import command, nodes, report, trace
 from sdcguard.replay.record import RecordOptions, record_trace
+
+from tests.helpers import REPLAY_LAUNCHER
 
 TINY = "tests.helpers.replay_tasks:tiny"
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -13,8 +13,6 @@ import numpy as np
 import optax
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
-from tests.helpers.multidevice import needs_8, run_on_8_devices
-from tests.helpers.tolerances import TOLERANCES, assert_close
 
 from sdcguard.guard.degraded import (
     DegradedConfig,
@@ -38,6 +36,9 @@ from sdcguard.models.gpt_degraded import (
     mlp_forward,
 )
 from sdcguard.models.gpt_degraded import range_finder_matrix as _omega
+
+from tests.helpers.multidevice import needs_8, run_on_8_devices
+from tests.helpers.tolerances import TOLERANCES, assert_close
 
 CONFIG = GPTConfig()  # the reference GPT at its default (tiny) size
 # XLA:CPU folds jax.checkpoint's optimization barrier away (pass cse_barrier_expander) and CSE

@@ -25,9 +25,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.helpers.multidevice import needs_8, run_on_8_devices
 
 from sdcguard import cli
+
+from tests.helpers.multidevice import needs_8, run_on_8_devices
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])

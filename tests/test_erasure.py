@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.helpers.multidevice import needs_8, run_on_8_devices
 
 from sdcguard.guard.erasure import CodedSnapshot, ErasureCode, HostMemory, SnapshotLost
 from sdcguard.guard.recovery import SnapshotCorrupted, SnapshotRing, TrainState
+
+from tests.helpers.multidevice import needs_8, run_on_8_devices
 
 
 def assert_same_state(restored, original):

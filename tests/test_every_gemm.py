@@ -17,6 +17,7 @@ from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.fault_model.sites import site_class
 from sdcguard.models import ByteBatches, GPTConfig
 from sdcguard.training import UNCHECKED_GEMMS, TrainConfig, gemm_sites, make_train_step
+
 from tests.tolerances import assert_close
 
 TINY = GPTConfig(num_layers=1, d_model=32, num_heads=4, seq_len=16)

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 from flax import nnx
 from flax.core import pop
-from tests.helpers.tolerances import PARITY, TOLERANCES, assert_close
 
 from sdcguard import linen as sl
 from sdcguard import nnx as snnx
 from sdcguard.fault_model.inject import Fault, FaultPlan, faults
 from sdcguard.fault_model.sites import ATTENTION_SITES
 from sdcguard.protection.attention import UncheckedAttentionWarning
+
+from tests.helpers.tolerances import PARITY, TOLERANCES, assert_close
 
 FEATURES, HEADS, LENGTH = 8, 2, 4
 NONE = FaultPlan.from_faults([], capacity=1)

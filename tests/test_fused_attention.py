@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 from jax._src.interpreters import mlir
-from tests.helpers.multidevice import needs_8, run_on_8_devices
 
 import sdcguard
 from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.protection.naming import sub_jaxprs
+
+from tests.helpers.multidevice import needs_8, run_on_8_devices
 
 B, T, H, D = 2, 64, 2, 32
 # Flash kernel vs XLA attention on the same values in float32, relative to max|reference|: the

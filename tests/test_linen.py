@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tests.helpers.tolerances import PARITY, TOLERANCES, assert_close
 
 import sdcguard
 from sdcguard import linen as sl
@@ -17,6 +16,8 @@ from sdcguard.fault_model.sites import ATTENTION_SITES, GEMM_SITES, GRAD_SUFFIXE
 from sdcguard.models import ByteBatches, GPTConfig
 from sdcguard.protection.abft import NUM_COUNTERS
 from sdcguard.training import UNCHECKED, TrainConfig, make_train_step
+
+from tests.helpers.tolerances import PARITY, TOLERANCES, assert_close
 
 FEATURES, HEADS, LENGTH, BATCH = 32, 4, 12, 2
 

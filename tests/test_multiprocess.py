@@ -8,10 +8,10 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
+
+from sdcguard.guard.update_guard import Reason
 
 from tests.helpers import MULTIPROCESS_WORKER
-from sdcguard.guard.update_guard import Reason
 
 WORKER = MULTIPROCESS_WORKER
 

@@ -4,11 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import sdcguard.nnx as snnx
 from flax import nnx
-from tests.helpers.tolerances import PARITY, TOLERANCES, assert_close
 
+import sdcguard.nnx as snnx
 from sdcguard.fault_model.inject import Fault, FaultPlan, faults
+
+from tests.helpers.tolerances import PARITY, TOLERANCES, assert_close
 
 FEATURES, LENGTH, BATCH = 32, 8, 2
 

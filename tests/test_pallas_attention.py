@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tests.helpers.tolerances import assert_close
 
 from sdcguard import linen as sl
 from sdcguard import nnx as snnx
@@ -26,6 +25,8 @@ from sdcguard.fault_model.inject import Fault, FaultPlan, faults
 from sdcguard.protection.abft import NUM_COUNTERS, ABFTConfig
 from sdcguard.protection.attention import PallasFallbackWarning, SiteRecorder, protected_attention
 from sdcguard.protection.pallas import interpret_mode
+
+from tests.helpers.tolerances import assert_close
 
 B, T, F, H = 1, 16, 32, 2  # head_dim F / H = 16
 # The attention core's sites, which the fused kernel checks. The projections are checked by

@@ -25,13 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.helpers.tolerances import TOLERANCES
 
 from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.protection import abft
 from sdcguard.protection.checksums import Contraction
 from sdcguard.protection.pallas import _common, matmul, mgpu_matmul, verify
 from sdcguard.protection.pallas.mgpu_matmul import BlockSizes
+
+from tests.helpers.tolerances import TOLERANCES
 
 ROOT = str(Path(__file__).resolve().parents[1])
 SMALL = BlockSizes(tile_m=64, tile_n=64, max_concurrent_steps=2)

@@ -12,13 +12,14 @@ import jax
 import numpy as np
 import optax
 import pytest
-from sdcguard.linen import backward_site_counts, site_counts
-from tests.helpers.tolerances import assert_close
 
 from sdcguard.fault_model.inject import Fault, FaultPlan
+from sdcguard.linen import backward_site_counts, site_counts
 from sdcguard.models import ByteBatches, GPTConfig
 from sdcguard.protection.abft import ABFTConfig
 from sdcguard.training import TrainConfig, make_train_step
+
+from tests.helpers.tolerances import assert_close
 
 TINY = GPTConfig(num_layers=1, d_model=16, num_heads=2, seq_len=8)
 

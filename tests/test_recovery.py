@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tests.helpers.multidevice import needs_8, run_on_8_devices
 
 from sdcguard.guard import snapshots
 from sdcguard.guard.recovery import (
@@ -29,6 +28,8 @@ from sdcguard.guard.recovery import (
     train_with_recovery,
 )
 from sdcguard.guard.update_guard import refuse_corrupted
+
+from tests.helpers.multidevice import needs_8, run_on_8_devices
 
 
 def assert_trees_equal(a, b):

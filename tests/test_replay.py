@@ -13,11 +13,12 @@ import sys
 
 import pytest
 
-from tests.helpers import REPLAY_LAUNCHER
 from sdcguard.replay import command, diff
 from sdcguard.replay.compare import CompareOptions, compare_nodes
 from sdcguard.replay.record import RecordOptions, open_trace, record_trace
 from sdcguard.replay.task import reference_task, save_params
+
+from tests.helpers import REPLAY_LAUNCHER
 
 # Sites the tests inject at, with the module each must be blamed on (lock-step level).
 # Indices are chosen where a fault matters: scores index 4037 is query 63, key 5 (unmasked).
@@ -206,7 +207,6 @@ def test_two_subprocesses_and_launcher_bit_identical(tmp_path):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     remote = f"{sys.executable} -m sdcguard.replay.command"
-    here = os.path.dirname(os.path.abspath(__file__))
     launcher = f"{sys.executable} {REPLAY_LAUNCHER} {{node}}"
     argv = [
         sys.executable,

@@ -18,8 +18,9 @@ import sys
 
 import pytest
 
-from tests.helpers import REPLAY_LAUNCHER
 from sdcguard.replay import command
+
+from tests.helpers import REPLAY_LAUNCHER
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

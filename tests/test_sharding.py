@@ -16,15 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import sdcguard.linen as sl
-from tests.helpers.multidevice import needs_8, run_on_8_devices
-from tests.helpers.tolerances import assert_close
 
 import sdcguard
+import sdcguard.linen as sl
 from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.protection import sharding
 from sdcguard.protection.config import ABFTConfig
 from sdcguard.protection.transform import total
+
+from tests.helpers.multidevice import needs_8, run_on_8_devices
+from tests.helpers.tolerances import assert_close
 
 COLLECTIVE = re.compile(
     r"[\]})] (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\("

@@ -9,9 +9,7 @@ nothing; an ``include`` pattern selects one layer; the attention core is ``:scor
 has no module keeps its call path, tied weights count, a scanned stack is one site.
 """
 
-from tests.helpers import equinox_model
 import flax.linen as nn
-from tests.helpers import flax_example_lm
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +25,8 @@ from sdcguard.protection import linen as linen_dropins
 from sdcguard.protection import naming, transform
 from sdcguard.protection import nnx as nnx_dropins
 from sdcguard.protection.abft import ABFTConfig
+
+from tests.helpers import equinox_model, flax_example_lm
 
 
 def gemma_case(num_layers=2, dtype="bfloat16"):

@@ -12,7 +12,6 @@ import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.helpers.multidevice import needs_8, run_on_8_devices
 
 from sdcguard.guard.integrity import host_fingerprint
 from sdcguard.guard.update_guard import (
@@ -26,6 +25,8 @@ from sdcguard.guard.update_guard import (
     reset_statistics,
     tree_fingerprint,
 )
+
+from tests.helpers.multidevice import needs_8, run_on_8_devices
 
 
 def assert_trees_equal(a, b):

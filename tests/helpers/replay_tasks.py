@@ -1,4 +1,4 @@
-"""Tiny replay tasks for the replay tests (named ``tests.helpers.replay_tasks:NAME`` on the command line).
+"""Tiny replay tasks for the replay tests (``tests.helpers.replay_tasks:NAME`` on the command line).
 
 ``tiny`` is a two-layer MLP: the cheapest task on which every replay level runs. The others
 misbehave the way users' tasks do: one prints (a lot), one raises on a node.
