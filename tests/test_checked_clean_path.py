@@ -12,12 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
-from test_mixed_precision import lm_step
 
 import sdcguard
 from sdcguard import ABFTConfig
 from sdcguard.fault_model.inject import Fault, FaultPlan
 from sdcguard.protection.transform import list_sites, total
+
+from tests.test_mixed_precision import lm_step
 
 
 def control_flow(compiled_text: str) -> int:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from test_import_graph import module_names
+from tests.test_import_graph import module_names
 
 PACKAGE = Path(__file__).resolve().parent.parent / "sdcguard"
 
