@@ -2,7 +2,7 @@
 
 The row checksum of ``C = A·B`` needs ``A(Be)`` and a magnitude of ``A``'s rows. XLA on the CPU runs
 the product fastest as a ``dot`` for some layouts of ``A`` and as an elementwise product and
-reduction for others; ``sdcguard.protection.abft`` picks one from the layout. This script times both
+reduction for others; ``sdcguard.protection`` picks one from the layout. This script times both
 for the bench GPT's 12 attention GEMMs (forward and both gradients of the query projection, the
 output projection, scores and context), interleaved in one process, and marks the one the library
 picks. The magnitude is the general one everywhere (for the context's non-negative probabilities the
@@ -25,8 +25,7 @@ from rich.console import Console
 from rich.table import Table
 from timing import interleaved, per_call
 
-from sdcguard.protection import checksums
-from sdcguard.protection.gemm import in_dot_order
+from sdcguard.protection import _checksums as checksums
 
 GEMMS = {
     "query projection": "bqD,Dhd->bqhd",
@@ -61,7 +60,7 @@ def main() -> None:
             ("grad_lhs", forward.grad_lhs()),
             ("grad_rhs", forward.grad_rhs()),
         ):
-            ct = in_dot_order(ct)  # the order the library checks in
+            ct = ct.in_dot_order()  # the order the library checks in
             a = jax.random.normal(key_a, [DIMS[c] for c in ct.lhs])
             b = jax.random.normal(key_b, [DIMS[c] for c in ct.rhs])
             gemm = f"{name} {which}"

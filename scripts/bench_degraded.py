@@ -1,7 +1,7 @@
 """What degraded mode (MeCeFO) costs and what it does to training, on 8 simulated devices.
 
 1. Work of the neighbour: XLA's cost analysis (flops, bytes accessed) of each role's compiled
-   work (:func:`sdcguard.guard.degraded.replica_work`: a normal replica's micro-batch; the
+   work (:func:`sdcguard.degraded.replica_work`: a normal replica's micro-batch; the
    neighbour's two), for the approximations on both of the neighbour's micro-batches
    (``scope='both'``, the default), on the taken-over one only, and an exact takeover.
 2. Step time, side by side: the normal and the neighbour role on one device, interleaved,
@@ -70,15 +70,16 @@ from rich.table import Table  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from timing import interleaved, overheads, per_call  # noqa: E402
 
-from sdcguard.guard.degraded import (  # noqa: E402
+from sdcguard.degraded import (  # noqa: E402
     DegradedConfig,
     DegradedTrainer,
+    GPTWorkload,
+    MeCeFO,
     ReplicaFault,
     make_degraded_step,
     replica_work,
 )
 from sdcguard.models import GPT, ByteBatches, GPTConfig, init_params, lm_loss  # noqa: E402
-from sdcguard.models.gpt_degraded import GPTWorkload, MeCeFO  # noqa: E402
 
 SIZES = {
     "tiny (d 64, seq 64)": GPTConfig(),

@@ -35,14 +35,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 from rich.console import Console
 from rich.table import Table
 
-from sdcguard.guard.erasure import ErasureCode
-from sdcguard.guard.recovery import SnapshotRing, TrainState
 from sdcguard.models import GPT, GPTConfig, init_params
+from sdcguard.recovery import ErasureCode, SnapshotRing, TrainState
 
 
 def parse_args(argv=None) -> argparse.Namespace:

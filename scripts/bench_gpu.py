@@ -43,8 +43,7 @@ from rich.table import Table
 from timing import interleaved, overheads, per_call
 
 import sdcguard
-from sdcguard import ABFTConfig
-from sdcguard.fault_model.inject import Fault, FaultPlan
+from sdcguard import ABFTConfig, Fault, FaultPlan
 
 # name -> (layers, d, heads, mlp, seq, batch, vocab)
 SIZES = {
@@ -52,16 +51,38 @@ SIZES = {
     "tiny": (2, 64, 2, 128, 32, 2, 256),
 }
 GEMM_SHAPES = {"d1024": [(8192, 1024, 4096), (8192, 4096, 1024)], "tiny": [(256, 64, 128)]}
+# XLA:GPU records these control-flow ops inside its CUDA graphs only when asked: the
+# predicate of a repair (cond) or of a recompute (while) is then evaluated on the GPU.
+GRAPHS = sdcguard.command_buffer_options()
+# name -> (what is checked, the compiler options of its step)
 VARIANTS = {
-    "plain": None,
-    "detect only": ABFTConfig(correct=False),
-    "in place": ABFTConfig(),
-    "recompute": ABFTConfig(recompute=True),
-    "attention only, in place": ABFTConfig(include=("*attn*",), allow_unmatched=True),
+    "plain": (None, None),
+    "detect only": (ABFTConfig(correct=False), None),
+    "in place": (ABFTConfig(), None),
+    "in place, branch-free": (ABFTConfig(repair="branch_free"), None),
+    "in place, cond": (ABFTConfig(repair="cond"), None),
+    "in place, cond in graphs": (ABFTConfig(repair="cond"), GRAPHS),
+    "in place, while in graphs": (ABFTConfig(repair="while"), GRAPHS),
+    "recompute": (ABFTConfig(recompute=True), None),
+    "recompute in graphs": (ABFTConfig(recompute=True), GRAPHS),
+    "attention only, in place": (ABFTConfig(include=("*attn*",), allow_unmatched=True), None),
 }
-# fp32 (TF32) is timed for the variants the targets name: with bf16's five and the faults, the
-# whole run stays within about 5 minutes on an H100 (compiling is most of it).
+BF16_VARIANTS = (
+    "plain",
+    "detect only",
+    "in place",
+    "in place, branch-free",
+    "in place, cond",
+    "in place, cond in graphs",
+    "in place, while in graphs",
+    "recompute",
+    "recompute in graphs",
+)
+# fp32 (TF32) is timed for the variants the targets name.
 FP32_VARIANTS = ("plain", "detect only", "in place")
+# Command buffers off: the profiler then attributes device time to each HLO instruction
+# (inside a CUDA graph nearly all of it is one command_buffer instruction).
+NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}
 
 
 class Block(nn.Module):
@@ -119,38 +140,58 @@ def lm_step(size: str, dtype):
     return step, (params, tx.init(params), tokens)
 
 
-def compiled(fn, args):
+def compiled(fn, args, options=None):
     """``(callable, compile seconds, HLO text)``: lowering and XLA's compilation, timed together."""
     start = time.perf_counter()
-    c = jax.jit(fn).lower(*args).compile()
+    c = jax.jit(fn).lower(*args).compile(compiler_options=options)
     seconds = time.perf_counter() - start
     return (lambda: c(*args)), seconds, c.as_text()
 
 
-def bench_lm(size: str, dtype, rounds: int, trace_dir: Path | None = None) -> dict:
+def bench_lm(
+    size: str,
+    dtype,
+    rounds: int,
+    variants,
+    trace_dir: Path | None = None,
+    attribute=(),
+    inject=("in place",),
+) -> dict:
     step, args = lm_step(size, dtype)
-    names = FP32_VARIANTS if dtype == jnp.float32 else tuple(VARIANTS)
+    names = FP32_VARIANTS if dtype == jnp.float32 else BF16_VARIANTS
+    names = tuple(n for n in names if n in variants)
     fns, compile_s, hlo = {}, {}, {}
     for name in names:
-        config = VARIANTS[name]
+        config, options = VARIANTS[name]
         fn = step if config is None else sdcguard.checked(step, config)
-        fns[name], compile_s[name], hlo[name] = compiled(fn, args)
+        fns[name], compile_s[name], hlo[name] = compiled(fn, args, options)
         print(f"{jnp.dtype(dtype).name} {name}: compiled in {compile_s[name]:.1f} s", flush=True)
     alarms = {}
     for name in names:
         out = jax.block_until_ready(fns[name]())
-        if VARIANTS[name] is not None:
-            alarms[name] = np.asarray(sdcguard.protection.transform.total(out[1])).tolist()
+        if VARIANTS[name][0] is not None:
+            alarms[name] = np.asarray(sdcguard.total(out[1])).tolist()
     times = interleaved({n: per_call(f, 3) for n, f in fns.items()}, rounds)
     summary = overheads(times, base="plain")
     sites = sdcguard.list_sites(step, *args)
     # Injected faults in the users' compute dtype: another compilation of the in-place step.
-    faults = corrected_faults(step, args, sites) if dtype != jnp.float32 else {}
+    faults = {}
+    if dtype != jnp.float32:
+        for name in (n for n in inject if n in names):
+            faults[name] = corrected_faults(step, args, sites, *VARIANTS[name])
     traces = {}
     if trace_dir is not None:
-        for name in names:
-            where = trace_dir / f"{jnp.dtype(dtype).name}_{name.replace(' ', '_').replace(',', '')}"
-            traces[name] = trace_summary.profile(fns[name], hlo[name], where)
+        for name in names:  # as timed: how many kernels, graph launches and host syncs
+            traces[name] = trace_summary.profile(
+                fns[name], hlo[name], _where(trace_dir, dtype, name)
+            )
+        for name in (n for n in attribute if n in names):  # command buffers off: per instruction
+            config, _ = VARIANTS[name]
+            fn = step if config is None else sdcguard.checked(step, config)
+            run, _, text = compiled(fn, args, NO_GRAPHS)
+            jax.block_until_ready(run())
+            where = _where(trace_dir, dtype, name + " no graphs")
+            traces[name + ", command buffers off"] = trace_summary.profile(run, text, where)
     return {
         "dtype": jnp.dtype(dtype).name,
         "checked_sites": sum(s.checked for s in sites),
@@ -163,15 +204,19 @@ def bench_lm(size: str, dtype, rounds: int, trace_dir: Path | None = None) -> di
     }
 
 
-def corrected_faults(step, args, sites) -> dict:
+def _where(trace_dir: Path, dtype, name: str) -> Path:
+    return trace_dir / f"{jnp.dtype(dtype).name}_{name.replace(' ', '_').replace(',', '')}"
+
+
+def corrected_faults(step, args, sites, config, options) -> dict:
     """An INF at an MLP forward and at an MLP backward GEMM: the counters and the loss."""
     forward = next(s.name for s in sites if "mlp_in" in s.name and s.direction == "forward")
     backward = next(s.name for s in sites if "mlp_out" in s.name and s.direction == "grad_lhs")
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=options)
     def run(plan, *args):
         with sdcguard.faults(plan):
-            return sdcguard.checked(step)(*args)
+            return sdcguard.checked(step, config)(*args)
 
     clean = run(FaultPlan.from_faults([], capacity=1), *args)[0][2]
     out = {}
@@ -198,7 +243,8 @@ def bench_gemms(size: str, rounds: int) -> dict:
 
         fns = {"jnp.dot": compiled(gemm, (a, b))[0]}
         for name in ("detect only", "in place"):
-            fns[name] = compiled(sdcguard.checked(gemm, VARIANTS[name]), (a, b))[0]
+            config, options = VARIANTS[name]
+            fns[name] = compiled(sdcguard.checked(gemm, config), (a, b), options)[0]
         times = interleaved({name: per_call(f, 10) for name, f in fns.items()}, rounds)
         results[f"{m}x{k}x{n}"] = overheads(times, base="jnp.dot")
     return results
@@ -232,6 +278,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="d1024")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument(
+        "--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="NAME"
+    )
+    parser.add_argument("--no-gemms", action="store_true", help="skip the single GEMMs")
+    parser.add_argument(
+        "--inject",
+        nargs="*",
+        default=["in place"],
+        metavar="NAME",
+        help="bf16 variants whose step gets two injected INFs (each one more compilation)",
+    )
+    parser.add_argument(
+        "--attribute",
+        nargs="*",
+        default=["detect only", "in place"],
+        metavar="NAME",
+        help="with --trace: variants profiled again with command buffers off, so that device "
+        "time is attributed to each HLO instruction",
+    )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path("runs/bench_gpu.json"))
     parser.add_argument("--force", action="store_true", help="run without a GPU (use --size tiny)")
@@ -253,10 +318,23 @@ def main() -> int:
     # The bf16 step first, then single GEMMs, then fp32: what the targets name comes first, and
     # each section is written out as soon as it is measured, so a run cut short keeps it.
     sections = [
-        ("lm", functools.partial(bench_lm, args.size, jnp.dtype(d), args.rounds, args.trace))
+        (
+            "lm",
+            functools.partial(
+                bench_lm,
+                args.size,
+                jnp.dtype(d),
+                args.rounds,
+                args.variants,
+                args.trace,
+                args.attribute,
+                args.inject,
+            ),
+        )
         for d in args.dtypes
     ]
-    sections.insert(1, ("gemm", functools.partial(bench_gemms, args.size, args.rounds)))
+    if not args.no_gemms:
+        sections.insert(1, ("gemm", functools.partial(bench_gemms, args.size, args.rounds)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for key, measure in sections:
         start = time.perf_counter()
@@ -296,11 +374,12 @@ def main() -> int:
             gemms.add_row(shape, name, f"{s['median_s'] * 1e3:.3f} ms", _ratio(s))
     console.print(gemms)
     for lm in result["lm"]:
-        for site, f in lm["faults"].items():
-            console.print(
-                f"{lm['dtype']}: INF at {site}: counts {f['counts']}, "
-                f"loss {f['loss']:.6f} (clean {f['clean_loss']:.6f})"
-            )
+        for variant, faults in lm["faults"].items():
+            for site, f in faults.items():
+                console.print(
+                    f"{lm['dtype']} {variant}: INF at {site}: counts {f['counts']}, "
+                    f"loss {f['loss']:.6f} (clean {f['clean_loss']:.6f})"
+                )
     for lm in result["lm"]:
         for name, trace in lm["traces"].items():
             console.print(_trace_table(f"{lm['dtype']} {name}", trace))

@@ -41,8 +41,8 @@ from rich.table import Table
 from timing import interleaved, overheads, per_call
 
 import sdcguard
-from sdcguard.fault_model.inject import Fault, FaultPlan
-from sdcguard.protection.config import ABFTConfig
+from sdcguard.fault_model import Fault, FaultPlan
+from sdcguard.protection import ABFTConfig
 from sdcguard.protection.pallas import flash
 
 BATCH, HEADS, HEAD_DIM = 4, 16, 128

@@ -179,7 +179,7 @@ def gemm_cases(dtype=jnp.bfloat16) -> list[Case]:
 
 def fault_corrected_on_gpu(dtype=jnp.bfloat16) -> dict:
     """An INF injected into the checked GEMM's accumulator at 8192x1024x4096, corrected."""
-    from sdcguard.fault_model.inject import Fault, FaultPlan
+    from sdcguard.fault_model import Fault, FaultPlan
     from sdcguard.protection.pallas import matmul
 
     m, n, k = 8192, 1024, 4096

@@ -1,7 +1,7 @@
 """The update guard on the reference GPT: its overhead, and its error rates on scripted spikes.
 
 1. Overhead: guarded / unguarded training steps, and the step wrapped for triage
-   (:func:`sdcguard.guard.triage.with_triage`) on its clean path. All steps are compiled first, then
+   (:func:`sdcguard.guard.with_triage`) on its clean path. All steps are compiled first, then
    timed interleaved in one process (the order alternates every repeat, so drift in machine
    load hits all alike); the result is the median over repeats of the per-step time, and the
    median of the per-repeat ratios.
@@ -38,8 +38,7 @@ from rich.console import Console
 from rich.table import Table
 from timing import interleaved, overheads, per_call
 
-from sdcguard.guard.triage import with_triage
-from sdcguard.guard.update_guard import Triage, describe, find_guard_state, refuse_corrupted
+from sdcguard.guard import Triage, describe, find_guard_state, refuse_corrupted, with_triage
 from sdcguard.models import GPT, ByteBatches, GPTConfig, init_params, lm_loss
 
 
@@ -71,7 +70,7 @@ def loss_fn(model: GPT, params, batch):
 
 def make_step(model: GPT, tx, *, guarded: bool, triage: bool = False):
     """A jitted ``step(params, opt_state, batch)``; the guarded one gets every extra input; with
-    ``triage`` the step is wrapped by :func:`sdcguard.guard.triage.with_triage`."""
+    ``triage`` the step is wrapped by :func:`sdcguard.guard.with_triage`."""
 
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn, argnums=1)(model, params, batch)

@@ -29,9 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdcguard.protection import abft
-from sdcguard.protection.pallas import flash as fa
-from sdcguard.protection.pallas import matmul
+from sdcguard import protection as abft
+from sdcguard.protection.pallas import flash as fa, matmul
 
 UNCHECKED = dataclasses.replace(abft.ABFTConfig(), forward=False, backward=False)
 

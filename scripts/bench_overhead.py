@@ -33,9 +33,9 @@ from timing import interleaved, overheads, per_call
 
 import sdcguard
 from sdcguard import linen as sl
-from sdcguard.fault_model.inject import FaultPlan
+from sdcguard.fault_model import FaultPlan
 from sdcguard.models import ByteBatches, GPTConfig
-from sdcguard.protection.abft import ABFTConfig
+from sdcguard.protection import ABFTConfig
 from sdcguard.training import TrainConfig, make_train_step
 
 SIZES = {

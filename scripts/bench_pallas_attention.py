@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from timing import interleaved, overheads, per_call
 
 from sdcguard import linen as sl
-from sdcguard.fault_model.inject import Fault, FaultPlan, faults
-from sdcguard.protection.abft import ABFTConfig
+from sdcguard.fault_model import Fault, FaultPlan, faults
+from sdcguard.protection import ABFTConfig
 
 # (batch, seq_len, d_model, heads): the bench GPT's attention, and a longer sequence.
 SHAPES = {"bench-gpt": (8, 256, 256, 4), "long": (4, 1024, 512, 8)}

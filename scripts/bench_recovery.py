@@ -1,6 +1,6 @@
 """What recovery costs on the reference GPT: snapshot overhead, and one fault three ways.
 
-1. Snapshot overhead per step: :func:`sdcguard.guard.recovery.train_with_recovery` with an
+1. Snapshot overhead per step: :func:`sdcguard.recovery.train_with_recovery` with an
    in-memory snapshot every k = 1 and k = 10 steps, against the same loop without periodic
    snapshots and against a bare ``for`` loop.
 2. Recovery cost of one fault, side by side:
@@ -38,17 +38,17 @@ import optax
 from rich.console import Console
 from rich.table import Table
 
-from sdcguard.fault_model.inject import Fault, FaultPlan
-from sdcguard.guard.recovery import (
+from sdcguard.fault_model import Fault, FaultPlan
+from sdcguard.guard import refuse_corrupted
+from sdcguard.models import ByteBatches, GPTConfig
+from sdcguard.protection import ABFTConfig, Counts
+from sdcguard.recovery import (
     CheckpointTier,
     RecoveryConfig,
     SnapshotRing,
     TrainState,
     train_with_recovery,
 )
-from sdcguard.guard.update_guard import refuse_corrupted
-from sdcguard.models import ByteBatches, GPTConfig
-from sdcguard.protection.abft import ABFTConfig, Counts
 from sdcguard.training import TrainConfig, make_train_step
 
 

@@ -33,19 +33,22 @@ import sys
 import tempfile
 import time
 
-from sdcguard.replay import determinism
+from sdcguard.replay import configure
 
-determinism.configure()  # before JAX starts its backend
+configure()  # before JAX starts its backend
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from sdcguard.replay import capture  # noqa: E402
-from sdcguard.replay.compare import CompareOptions, compare_nodes  # noqa: E402
-from sdcguard.replay.record import RecordOptions  # noqa: E402
-from sdcguard.replay.task import reference_task  # noqa: E402
-from sdcguard.replay.trace import TraceWriter  # noqa: E402
+from sdcguard.replay import (  # noqa: E402
+    CompareOptions,
+    RecordOptions,
+    TraceWriter,
+    _capture as capture,
+    compare_nodes,
+    reference_task,
+)
 
 
 def _plain_step(task):
@@ -121,7 +124,7 @@ def bench_capture(repeats: int) -> dict:
 
 def bench_compare() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    argv = [sys.executable, "-m", "sdcguard.replay.command", "compare"]
+    argv = [sys.executable, "-m", "sdcguard", "compare"]
     t = time.perf_counter()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True)
     cold = time.perf_counter() - t
@@ -158,7 +161,7 @@ def _timed(argv, env, expect: int) -> float:
 def bench_scan(repeats: int) -> dict:
     python = sys.executable
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-    command = [python, "-m", "sdcguard.replay.command"]
+    command = [python, "-m", "sdcguard"]
     launcher = f"{python} {os.path.join(ROOT, 'tests', 'helpers', 'replay_launcher.py')} {{node}}"
     scratch = tempfile.mkdtemp(prefix="bench-scan-")
     scan = [

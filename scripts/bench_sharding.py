@@ -42,15 +42,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from rich.console import Console
 from rich.table import Table
 
 import sdcguard
-import sdcguard.linen as sl
-from sdcguard.fault_model.inject import Fault, FaultPlan
-from sdcguard.protection.transform import total
+from sdcguard import linen as sl
+from sdcguard.fault_model import Fault, FaultPlan
+from sdcguard.protection import total
 
 # An instruction of the compiled HLO whose op is a collective (``... f32[8]{0} all-reduce(``),
 # not a mention of one as an operand (``get-tuple-element(%all-reduce)``).
@@ -362,7 +361,7 @@ def run_faulty(model, protection, way, mesh_shape, fn, args, site):
 
 # jax.pmap(sdcguard.checked(lm_step)) has stalled in an all-reduce rendezvous of the 8-device CPU
 # simulation in some runs (devices waiting on others that never arrive), with or without
-# sdcguard.protection.sharding; it runs in a child process with this limit, and a stall is
+# sdcguard.protection._sharding; it runs in a child process with this limit, and a stall is
 # reported as such.
 STALL_LIMIT_S = 420
 

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sdcguard.models import GPT, ByteBatches, GPTConfig, init_params
-from sdcguard.protection.checksums import Contraction, line_checksums
+from sdcguard.protection import Contraction, line_checksums
 
 GEMMS = {  # site: einsum spec with the shapes of the reference GPT's attention
     "query": "btf,fhd->bthd",

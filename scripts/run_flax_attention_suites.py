@@ -94,8 +94,7 @@ class Swap:
         import flax.linen as nn
         from flax import nnx
 
-        import sdcguard.linen as sl
-        import sdcguard.nnx as snnx
+        from sdcguard import linen as sl, nnx as snnx
 
         plugin = self
         if self.mode == "dropin":
@@ -129,7 +128,7 @@ class Swap:
             return (yield)
         import flax.linen as nn
 
-        import sdcguard.linen as sl
+        from sdcguard import linen as sl
 
         plugin = self
 
@@ -193,8 +192,7 @@ def bit_identity_survey() -> list[dict]:
     import jax.numpy as jnp
     from flax import nnx
 
-    import sdcguard.linen as sl
-    import sdcguard.nnx as snnx
+    from sdcguard import linen as sl, nnx as snnx
 
     dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
     rows = []

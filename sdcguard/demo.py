@@ -7,22 +7,21 @@ and ABFT. Prints the three loss curves side by side and the per-site counters, a
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
 
-from sdcguard.console import check_output_dir, error, make_console, positive_int, progress
-from sdcguard.fault_model.inject import Fault, FaultPlan
-from sdcguard.models import ByteBatches, GPTConfig
-from sdcguard.protection.abft import ABFTConfig, Counts
+from sdcguard._console import make_console, progress
+from sdcguard.fault_model import Fault, FaultPlan
+from sdcguard.models import ByteBatches
+from sdcguard.protection import ABFTConfig, Counts
 from sdcguard.protection.linen import backward_site_counts, site_counts
-from sdcguard.training import COVERAGES, UNCHECKED, UNCHECKED_GEMMS, TrainConfig, make_train_step
+from sdcguard.training import UNCHECKED, UNCHECKED_GEMMS, TrainConfig, make_train_step
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def default_faults(num_layers: int) -> list[Fault]:
@@ -120,7 +119,9 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> dict:
     }
 
 
-def _print(result: dict, console: Console) -> None:
+def print_result(result: dict, console: Console) -> None:
+    from rich.table import Table
+
     losses = {k: np.asarray(v) for k, v in result["losses"].items()}
     fault_steps = {f["step"] for f in result["faults"]}
     table = Table(title="Loss, same faults with and without ABFT")
@@ -204,7 +205,7 @@ def figure_data(result: dict) -> DemoFigure:
     return DemoFigure(curves, sorted({f["step"] for f in result["faults"]}), nonfinite)
 
 
-def _plot(result: dict, path: Path) -> None:
+def plot(result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -238,80 +239,3 @@ def _plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-# Both spellings of each dtype (``sdcguard campaign`` takes the short ones): the model's name.
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
-
-
-def _dtype(name: str) -> str:
-    if name not in DTYPES:
-        raise argparse.ArgumentTypeError(
-            f"unknown dtype {name!r}; valid: float32 (fp32), bfloat16 (bf16)"
-        )
-    return DTYPES[name]
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "demo",
-        help="train with injected faults, with and without ABFT",
-        description="Trains the reference GPT three times on built-in data (clean; with seven "
-        "injected attention faults unprotected; the same faults under ABFT), prints the loss "
-        "curves and counters, writes OUT/demo.png and OUT/demo.json. Exit 2 on bad options.",
-    )
-    p.add_argument(
-        "--steps",
-        type=positive_int,
-        default=DemoConfig.steps,
-        help="training steps per run (default: %(default)s; faults after the last are dropped)",
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=DemoConfig.out,
-        help="directory for demo.png and demo.json (default: %(default)s); checked first",
-    )
-    p.add_argument(
-        "--layers",
-        type=positive_int,
-        default=GPTConfig.num_layers,
-        help="transformer blocks of the reference GPT (default: %(default)s)",
-    )
-    p.add_argument(
-        "--coverage",
-        choices=COVERAGES,
-        default=TrainConfig.coverage,
-        help="attention: seven faults in attention GEMMs, the protected attention layers; "
-        "every_gemm: seven faults in attention, projection, MLP and head GEMMs (forward and "
-        "backward), every GEMM of the step checked by sdcguard.checked (default: %(default)s)",
-    )
-    p.add_argument(
-        "--dtype",
-        type=_dtype,
-        default=GPTConfig.dtype,
-        help="computation dtype: float32 or bfloat16 (fp32, bf16 also accepted; default "
-        "%(default)s)",
-    )
-    p.set_defaults(handler=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    console = make_console()
-    try:
-        model = GPTConfig(num_layers=args.layers, dtype=args.dtype)
-        train = TrainConfig(model=model, coverage=args.coverage)
-        config = DemoConfig(steps=args.steps, out=args.out, train=train)
-        check_output_dir(config.out, "--out")  # before minutes of training, not after
-        result = run_demo(config, console)
-        _print(result, console)
-        (config.out / "demo.json").write_text(json.dumps(result, indent=1))
-        _plot(result, config.out / "demo.png")
-    except KeyboardInterrupt:
-        return error("interrupted", 130)
-    except OSError as e:
-        return error(f"{e.strerror or type(e).__name__}: {e.filename}")
-    except ValueError as e:
-        return error(str(e))
-    console.print(f"wrote {config.out / 'demo.png'} and {config.out / 'demo.json'}")
-    return 0

@@ -4,7 +4,7 @@ This is the workload of the demo, the benchmarks and the campaigns, and a worked
 sdcguard into a training step: the fault plan is an argument (one compilation for any plan),
 :func:`sdcguard.protection.linen.protect` swaps the attention layers, forward counters come back in
 the ``'sdc'`` collection and backward counters as the gradient of the ``'sdc_grad'`` sinks, and
-:func:`sdcguard.fault_model.inject.module_outputs` arms the module-output sites (``path:output``)
+:func:`sdcguard.fault_model.module_outputs` arms the module-output sites (``path:output``)
 asked for.
 
 Two tasks share everything but the model and the loss: ``gpt`` (the decoder, next-byte
@@ -24,17 +24,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sdcguard.fault_model import inject
-from sdcguard.guard.recovery import (
-    TrainState,  # the one state of a run: step, params, opt_state, rng
-)
-from sdcguard.guard.triage import with_triage
-from sdcguard.guard.update_guard import GuardState
-from sdcguard.in_place import apply_if
+from sdcguard import fault_model as inject
+from sdcguard._in_place import apply_if
+from sdcguard.guard import GuardState, with_triage
 from sdcguard.models import GPT, Encoder, GPTConfig, init_params, lm_loss, mask_tokens, mlm_loss
-from sdcguard.protection import abft as abft_lib
-from sdcguard.protection import linen, transform
-from sdcguard.protection.abft import NUM_COUNTERS, ABFTConfig
+from sdcguard.protection import ABFTConfig, Counts, checked, linen, list_sites, total, unsafe_checks
+from sdcguard.recovery import TrainState  # the one state of a run: step, params, opt_state, rng
 
 UNCHECKED = ABFTConfig(sites=())  # layers swapped, injection points live, nothing checked
 # The same for `coverage="every_gemm"`: every GEMM an injection point, none checked.
@@ -52,8 +47,8 @@ class StepOutput(NamedTuple):
     """What one step reports (all arrays; nothing is read on the host by the step itself).
 
     loss: float32 scalar, before the update. grad_norm: float32 scalar, global L2 norm of the
-    parameter gradients. counts: int32 ``[NUM_COUNTERS]`` totals forward + backward (see
-    :class:`sdcguard.protection.abft.Counts`). sdc: the ``'sdc'`` collection (forward counters per
+    parameter gradients. counts: int32 ``[4]`` totals forward + backward (see
+    :class:`sdcguard.protection.Counts`). sdc: the ``'sdc'`` collection (forward counters per
     layer); with
       ``coverage="every_gemm"``, the report of :func:`sdcguard.checked` (site -> counters).
     sink_grads: gradient of the ``'sdc_grad'`` collection (backward counters per layer);
@@ -90,7 +85,7 @@ class TrainConfig:
         plain model (sites ``decoder/block_0/mlp/fc_in:dot_general``... as
         :func:`sdcguard.list_sites` names them; ``abft.include``/``exclude`` select them).
       output_sites: module-output sites (``decoder/block_0/mlp:output`` ...) where the fault
-        plan can inject (see :func:`sdcguard.fault_model.inject.module_outputs`); others compile to
+        plan can inject (see :func:`sdcguard.fault_model.module_outputs`); others compile to
         nothing.
       repair: how a detected error is corrected (with ``abft.correct``). ``in_place``: each
         checked GEMM repairs its own output, in a loop that the step waits on.
@@ -102,9 +97,9 @@ class TrainConfig:
         ``abft.correct=False`` both modes are the same detect-only step; a ``hit_log`` sees
         the faults of both passes of a recomputed step.
       triage: when the optimizer is an update guard
-      (:func:`sdcguard.guard.update_guard.refuse_corrupted`),
+      (:func:`sdcguard.guard.refuse_corrupted`),
         a step it would refuse for a gradient-norm or loss spike alone is computed again
-        (:func:`sdcguard.guard.triage.with_triage`): bit-identical, the spike is real and the update
+        (:func:`sdcguard.guard.with_triage`): bit-identical, the spike is real and the update
         stands; different, the first pass was corrupted and the recomputation is used. The
         recomputation runs with the fault plan disarmed: an injected fault is a transient
         one, which does not come back.
@@ -200,7 +195,7 @@ def gemm_sites(config: TrainConfig) -> list[str]:
             lambda p: task_loss(lambda t: model.apply({"params": p}, t), batch, 0)
         )(params)
 
-    sites = transform.list_sites(loss_and_grads, params, batch)
+    sites = list_sites(loss_and_grads, params, batch)
     forward = [s.name for s in sites if s.direction == "forward" and s.checked]
     backward = [s.name for s in sites if s.direction != "forward" and s.checked]
     return forward + backward
@@ -226,7 +221,7 @@ def _sinks(model: nn.Module, config: GPTConfig):
 
 
 def merge_counts(first: jax.Array, second: jax.Array, second_detected: jax.Array) -> jax.Array:
-    """One site's counters ``[..., NUM_COUNTERS]`` after a step computed twice
+    """One site's counters ``[..., 4]`` after a step computed twice
     (``repair='recompute'``).
 
     ``first`` are the detect-only counts (``[d, 0, u, n]``, ``u + n = d``: nothing is repaired,
@@ -237,7 +232,7 @@ def merge_counts(first: jax.Array, second: jax.Array, second_detected: jax.Array
     reached downstream, since nothing was repaired there. If it did not, the fault did not come
     back and recomputing corrected it: ``[d, d, 0, 0]``.
     """
-    recomputed = first[..., :1] * jnp.asarray([1, 1, 0, 0], first.dtype)
+    recomputed = Counts.all_corrected(first)
     return jnp.where(second_detected, second, recomputed)
 
 
@@ -250,16 +245,16 @@ def make_train_step(
     """The initial state and the jitted step ``step(state, batch, plan) -> (state, StepOutput)``.
 
     ``batch`` is int32 ``[batch, seq_len + 1]`` (the GPT's inputs and shifted targets; the encoder
-    reads the first ``seq_len`` bytes); ``plan`` is a :class:`sdcguard.fault_model.inject.FaultPlan`
+    reads the first ``seq_len`` bytes); ``plan`` is a :class:`sdcguard.fault_model.FaultPlan`
     (``FaultPlan.none()`` for a clean step).
 
     Args:
       config: the run.
       optimizer: default ``optax.adam(config.learning_rate)``; it receives ``loss`` and
-        ``abft_uncorrectable`` (:func:`sdcguard.protection.abft.unsafe_checks` of the counters) as
+        ``abft_uncorrectable`` (:func:`sdcguard.protection.unsafe_checks` of the counters) as
         extra arguments (an update guard reads them; with ``config.triage`` its spikes are triaged).
       hit_log: if given, every fault that fires is reported to it (a diagnostic; see
-        :class:`sdcguard.fault_model.inject.HitLog`).
+        :class:`sdcguard.fault_model.HitLog`).
 
     Raises:
       ValueError: an output site that the model does not have (the valid ones are listed).
@@ -316,11 +311,11 @@ def make_train_step(
             if whole_step:
                 # The transform injects at its GEMM sites while it evaluates the step.
                 stack.enter_context(inject.faults(plan))
-                checked_grads = transform.checked(grad_fn, abft)
+                checked_grads = checked(grad_fn, abft)
                 ((loss, _), (grads, _)), report = checked_grads(
                     state.params, sinks, batch, plan, state.step, abft
                 )
-                return loss, grads, transform.total(report), report, {}
+                return loss, grads, total(report), report, {}
             # A fault aimed at a site this step does not have fails the step, naming it: a
             # misspelt site would otherwise look like a fault that was caught.
             with inject.recording_injection_points(set()) as points:
@@ -328,11 +323,7 @@ def make_train_step(
                     state.params, sinks, batch, plan, state.step, abft
                 )
             inject.raise_if_unmatched(plan, points)
-        counts = (
-            linen.total_counts(sdc, sink_grads)
-            if drop_ins
-            else jnp.zeros((NUM_COUNTERS,), jnp.int32)
-        )
+        counts = linen.total_counts(sdc, sink_grads) if drop_ins else Counts.zeros()
         return loss, grads, counts, sdc, sink_grads
 
     def advance(state, batch, plan, abft):
@@ -342,7 +333,7 @@ def make_train_step(
             state.opt_state,
             state.params,
             loss=loss,
-            abft_uncorrectable=abft_lib.unsafe_checks(counts),
+            abft_uncorrectable=unsafe_checks(counts),
         )
         params = optax.apply_updates(state.params, updates)
         out = StepOutput(loss, optax.tree.norm(grads), counts, sdc, sink_grads)
@@ -356,7 +347,7 @@ def make_train_step(
         def recompute(first):
             _, first_out = first
             new_state, out = advance(state, batch, plan, config.abft)
-            again = out.counts[0] > 0
+            again = Counts.of(out.counts).detected > 0
             sdc, sink_grads = jax.tree.map(
                 lambda f, s: merge_counts(f, s, again),
                 (first_out.sdc, first_out.sink_grads),
@@ -365,7 +356,7 @@ def make_train_step(
             counts = linen.total_counts(sdc, sink_grads)
             return new_state, out._replace(counts=counts, sdc=sdc, sink_grads=sink_grads)
 
-        return apply_if(first[1].counts[0] > 0, recompute, first)
+        return apply_if(Counts.of(first[1].counts).detected > 0, recompute, first)
 
     def one_step(state: TrainState, batch: jax.Array, plan: inject.FaultPlan):
         plan = plan.at_step(state.step)

@@ -11,7 +11,7 @@ in ``scripts/`` keep XLA's defaults. Flags already in ``XLA_FLAGS`` come last an
 import os
 
 # Mosaic GPU interpret mode (the kernels' tests) blocks XLA:CPU pool threads in barrier waits
-# and needs at least four of them (sdcguard.protection.pallas._common.require_interpreter_pool);
+# and needs at least four of them (sdcguard.protection.pallas._platform.require_interpreter_pool);
 # the pool is one thread per CPU unless PJRT_NPROC says otherwise, read when JAX starts.
 os.environ.setdefault("PJRT_NPROC", "4")
 

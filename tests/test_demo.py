@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sdcguard import cli
-from sdcguard.demo import DemoConfig, _plot, figure_data, run_demo
+from sdcguard.demo import DemoConfig, figure_data, plot, run_demo
 from sdcguard.models import GPTConfig
 from sdcguard.training import TrainConfig
 
@@ -43,7 +43,7 @@ def test_whole_step_demo_corrects_faults_outside_attention():
 
 
 def test_plot_is_written(result, tmp_path):
-    _plot(result, tmp_path / "demo.png")
+    plot(result, tmp_path / "demo.png")
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     json.dumps(result)  # the JSON output is plain data
 
@@ -89,7 +89,7 @@ def test_demo_output_in_a_log_is_whole(tmp_path, monkeypatch):
     import dataclasses
     import sys
 
-    from sdcguard import demo
+    from sdcguard.cli import _demo as demo
 
     # Small settings: --steps and --layers, and a smaller width and batch than the defaults
     # (the command line has no flags for them).

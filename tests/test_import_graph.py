@@ -198,15 +198,29 @@ def test_no_import_cycles():
 # and what a check reports sit under both implementations (XLA in ``checksums`` itself, Pallas
 # kernels), which sit under the dispatch, which sits under the layers and the transform.
 LAYERS = [
-    ("sdcguard.in_place", "sdcguard.fault_model"),
-    ("sdcguard.protection.config", "sdcguard.protection.checksums"),
-    ("sdcguard.protection.sharding", "sdcguard.protection.pallas"),
-    ("sdcguard.protection.abft",),
+    ("sdcguard._in_place", "sdcguard._shard_local", "sdcguard.fault_model"),
     (
-        "sdcguard.protection.attention",
+        "sdcguard.protection._config",
+        "sdcguard.protection._contraction",
+        "sdcguard.protection._backend",
+        "sdcguard.protection._tolerance",
+        "sdcguard.protection._checksums",
+        "sdcguard.protection._checks",
+    ),
+    ("sdcguard.protection._sharding", "sdcguard.protection.pallas"),
+    ("sdcguard.protection._gemm", "sdcguard.protection._softmax", "sdcguard.protection._abft"),
+    (
+        "sdcguard.protection._attention",
         "sdcguard.protection.linen",
         "sdcguard.protection.nnx",
-        "sdcguard.protection.transform",
+        "sdcguard.protection._walk",
+        "sdcguard.protection._naming",
+        "sdcguard.protection._fused_attention",
+        "sdcguard.protection._select",
+        "sdcguard.protection._trace",
+        "sdcguard.protection._interpret",
+        "sdcguard.protection._recompute",
+        "sdcguard.protection._checked",
     ),
 ]
 
@@ -237,21 +251,30 @@ def test_an_upward_import_is_named():
     # The kernels reaching for the dispatch (the loop this layering removed) is caught even
     # without a cycle.
     graph = {
-        "sdcguard.protection.pallas.flash": {"sdcguard.protection.abft"},
-        "sdcguard.protection.abft": {"sdcguard.protection.checksums"},
-        "sdcguard.protection.checksums": set(),
+        "sdcguard.protection.pallas.flash": {"sdcguard.protection._abft"},
+        "sdcguard.protection._abft": {"sdcguard.protection._checks"},
+        "sdcguard.protection._checks": set(),
     }
-    assert upward_imports(graph) == ["sdcguard.protection.pallas.flash -> sdcguard.protection.abft"]
+    upward = ["sdcguard.protection.pallas.flash -> sdcguard.protection._abft"]
+    assert upward_imports(graph) == upward
 
 
 def test_the_parts_do_not_reach_into_each_other():
-    """The guard and the fault model stand on their own; replay and campaigns may use the
+    """The guard and the fault model stand on their own; recovery and degraded mode stand on the
+    guard (degraded mode trains the reference models too); replay and campaigns may use the
     protection and the guard (they drive them), never the reverse."""
     graph = import_graph(PACKAGE)
     below = {
-        "sdcguard.fault_model": ("sdcguard.fault_model",),
-        "sdcguard.guard": ("sdcguard.guard", "sdcguard.in_place"),
-        "sdcguard.protection": ("sdcguard.protection", "sdcguard.fault_model", "sdcguard.in_place"),
+        "sdcguard.fault_model": ("sdcguard.fault_model", "sdcguard._shard_local"),
+        "sdcguard.guard": ("sdcguard.guard", "sdcguard._in_place"),
+        "sdcguard.recovery": ("sdcguard.recovery", "sdcguard.guard"),
+        "sdcguard.degraded": ("sdcguard.degraded", "sdcguard.guard", "sdcguard.models"),
+        "sdcguard.protection": (
+            "sdcguard.protection",
+            "sdcguard.fault_model",
+            "sdcguard._in_place",
+            "sdcguard._shard_local",
+        ),
     }
     crossing = [
         f"{m} -> {d}"
@@ -266,10 +289,10 @@ def test_the_parts_do_not_reach_into_each_other():
 
 def test_the_graph_sees_the_package():
     graph = import_graph(PACKAGE)
-    # `from sdcguard.protection import checksums` (a submodule by a from-import) is an edge.
-    assert "sdcguard.protection.checksums" in graph["sdcguard.protection.transform"]
-    assert "sdcguard.fault_model.sites" in graph["sdcguard.fault_model.inject"]
-    assert graph["sdcguard.fault_model.sites"] == set()
+    # `from sdcguard.protection import _sharding` (a submodule by a from-import) is an edge.
+    assert "sdcguard.protection._sharding" in graph["sdcguard.protection._interpret"]
+    assert "sdcguard.fault_model._sites" in graph["sdcguard.fault_model._apply"]
+    assert graph["sdcguard.fault_model._sites"] == set()
 
 
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -356,13 +379,14 @@ def test_a_cycle_through_importlib_is_named(tmp_path):
 def test_the_command_line_is_on_top():
     """``sdcguard.cli`` only dispatches: no module imports it back (``__main__`` runs it)."""
     graph = import_graph(PACKAGE)
-    assert {"sdcguard.demo", "sdcguard.replay.command", "sdcguard.campaign.command"} <= graph[
+    assert {"sdcguard.cli._demo", "sdcguard.cli._replay", "sdcguard.cli._campaign"} <= graph[
         "sdcguard.cli"
     ]
     users = sorted(m for m, deps in graph.items() if "sdcguard.cli" in deps)
     assert users == ["sdcguard.__main__"]
-    # What the subcommands share sits below every part: it imports none of them.
-    assert graph["sdcguard.console"] == set()
+    # What the parts and the subcommands share sits below every part: it imports none of them.
+    assert graph["sdcguard._console"] == set()
+    assert graph["sdcguard.cli._args"] == set()
 
 
 # "~500 lines": a module may run a little over before it must give its reason.

@@ -17,56 +17,58 @@ harm (unprotected), detection/correction per site x kind (ABFT), bit flips per b
 outputs, false positives over many clean checked GEMMs per dtype, and recovery cost (quoted from
 ``runs/bench_recovery.json``).
 
-Modules, one job each (this package's face only re-exports their public names):
-  config   :class:`CampaignConfig`, the grid's sites, the results file's constants.
-  trials   one configuration's compiled step, a trial, the results file.
-  studies  error propagation in one attention block, false positives.
-  report   summary, markdown, figures, the terminal table.
-  run      :func:`run_campaign`: the grid, resumption, the reports.
-  command  ``sdcguard campaign`` (flags -> :class:`CampaignConfig`).
+Private modules, one job each: ``_config`` (:class:`CampaignConfig`, the grid's sites),
+``_trials`` (one configuration's compiled step, a trial, the results file), ``_studies``
+(propagation, false positives), ``_report`` (summary, markdown, terminal table), ``_figures``
+(PNGs), ``_run`` (:func:`run_campaign`). The command line is :mod:`sdcguard.cli`.
 
 Example:
   >>> result = run_campaign(CampaignConfig(model_kind="encoder", out=Path("runs/enc")))
   >>> result["summary"]["abft"]["detection_rate"]
 """
 
-from sdcguard.campaign import command, config, report, run, studies, trials
-from sdcguard.campaign.command import config_from_args, register
-from sdcguard.campaign.config import (
-    CLASSES,
-    DEFAULT_KINDS,
-    DEFAULT_PROTECTIONS,
-    DTYPES,
-    EXPONENT_BITS,
-    OUTPUT_GROUPS,
-    PROTECTIONS,
-    RESULTS_FILE,
-    CampaignConfig,
-    CampaignFileError,
-    UnknownSiteError,
+from sdcguard.campaign._config import (
+    CLASSES as CLASSES,
+    DEFAULT_KINDS as DEFAULT_KINDS,
+    DEFAULT_PROTECTIONS as DEFAULT_PROTECTIONS,
+    DTYPE_ALIASES as DTYPE_ALIASES,
+    DTYPE_BITS as DTYPE_BITS,
+    DTYPES as DTYPES,
+    EXPONENT_BITS as EXPONENT_BITS,
+    OUTPUT_GROUPS as OUTPUT_GROUPS,
+    PROTECTIONS as PROTECTIONS,
+    RESULTS_FILE as RESULTS_FILE,
+    CampaignConfig as CampaignConfig,
+    CampaignFileError as CampaignFileError,
+    UnknownSiteError as UnknownSiteError,
 )
-from sdcguard.campaign.report import markdown, plot, summarize
-from sdcguard.campaign.run import (
-    CampaignGridError,
-    config_json,
-    grid,
-    run_campaign,
-    source_fingerprint,
+from sdcguard.campaign._figures import plot as plot
+from sdcguard.campaign._report import (
+    markdown as markdown,
+    print_summary as print_summary,
+    summarize as summarize,
 )
-from sdcguard.campaign.studies import (
-    DOWNSTREAM,
-    PROPAGATION_TENSORS,
-    false_positives,
-    pattern,
-    propagation,
+from sdcguard.campaign._run import (
+    CampaignGridError as CampaignGridError,
+    config_json as config_json,
+    grid as grid,
+    run_campaign as run_campaign,
+    source_fingerprint as source_fingerprint,
 )
-from sdcguard.campaign.trials import (
-    append_result,
-    classify,
-    load_results,
-    make_fault,
-    make_step,
-    trial_key,
+from sdcguard.campaign._studies import (
+    DOWNSTREAM as DOWNSTREAM,
+    PROPAGATION_TENSORS as PROPAGATION_TENSORS,
+    false_positives as false_positives,
+    pattern as pattern,
+    propagation as propagation,
+)
+from sdcguard.campaign._trials import (
+    append_result as append_result,
+    classify as classify,
+    load_results as load_results,
+    make_fault as make_fault,
+    make_step as make_step,
+    trial_key as trial_key,
 )
 
 __all__ = [
@@ -75,6 +77,8 @@ __all__ = [
     "DEFAULT_PROTECTIONS",
     "DOWNSTREAM",
     "DTYPES",
+    "DTYPE_ALIASES",
+    "DTYPE_BITS",
     "EXPONENT_BITS",
     "OUTPUT_GROUPS",
     "PROPAGATION_TENSORS",
@@ -86,9 +90,6 @@ __all__ = [
     "UnknownSiteError",
     "append_result",
     "classify",
-    "command",
-    "config",
-    "config_from_args",
     "config_json",
     "false_positives",
     "grid",
@@ -98,14 +99,10 @@ __all__ = [
     "markdown",
     "pattern",
     "plot",
+    "print_summary",
     "propagation",
-    "register",
-    "report",
-    "run",
     "run_campaign",
     "source_fingerprint",
-    "studies",
     "summarize",
     "trial_key",
-    "trials",
 ]

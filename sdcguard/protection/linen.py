@@ -8,10 +8,10 @@ returns (``params``, and ``cache`` with ``decode=True``): the counters below app
 are asked for.
 
 Collections:
-  ``'sdc'``: ``counts`` int32 ``[7, NUM_COUNTERS]`` per layer (rows: ATTENTION_SITES; columns:
-    :class:`sdcguard.protection.abft.Counts`), accumulated over calls; apply with
-    ``mutable=['sdc']``.
-  ``'sdc_grad'``: ``sinks`` float32 ``[6, 2, NUM_COUNTERS]`` zeros per layer, made by
+  ``'sdc'``: ``counts`` int32 ``[7, 4]`` per layer (rows: ATTENTION_SITES; columns:
+    :class:`sdcguard.protection.Counts`: detected, corrected, uncorrectable, nonfinite_input),
+    accumulated over calls; apply with ``mutable=['sdc']``.
+  ``'sdc_grad'``: ``sinks`` float32 ``[6, 2, 4]`` zeros per layer, made by
     :func:`init_sinks`. Differentiate the loss with respect to them (pass them in like params)
     and their gradient holds the backward counters (rows: GEMM_SITES; then grad_lhs /
     grad_rhs). No host sync either way.
@@ -32,8 +32,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import inspect
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 
 import flax.linen as nn
@@ -42,15 +40,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import module as linen_module
 
-from sdcguard.fault_model.sites import ATTENTION_SITES, GEMM_SITES, GRAD_SUFFIXES, site_name
-from sdcguard.protection.abft import NUM_COUNTERS, ABFTConfig
-from sdcguard.protection.attention import (
+from sdcguard.fault_model import ATTENTION_SITES, GEMM_SITES, GRAD_SUFFIXES, site_name
+from sdcguard.protection._attention import (
+    ProjectionDotGeneral,
     SiteRecorder,
-    UncheckedAttentionWarning,
+    checked_core,
+    current_linen_module,
     current_recorder,
     protected_attention,
     recording,
+    warn_unchecked,
 )
+from sdcguard.protection._config import ABFTConfig, Counts
 
 COUNTS = "counts"
 SINKS = "sinks"
@@ -59,23 +60,6 @@ SINKS = "sinks"
 _FlaxMHDPA = nn.MultiHeadDotProductAttention
 _FlaxSelfAttention = nn.SelfAttention
 _flax_dot_product_attention = nn.dot_product_attention
-
-
-class ProjectionDotGeneral:
-    """``dot_general_cls`` of a protected layer: checks the projection it is called in.
-
-    The site is the name of the calling Dense module (``query``, ``key``, ``value``, ``out``).
-    """
-
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None, **kwargs):
-        recorder = current_recorder()
-        dense = _current_linen_module()
-        if recorder is None or dense is None:
-            raise RuntimeError(
-                "ProjectionDotGeneral is the projection hook of sdcguard's protected attention "
-                "and only works inside it; use sdcguard.checked_dot_general directly."
-            )
-        return recorder.dot_general(dense.name, lhs, rhs, dimension_numbers, precision, **kwargs)
 
 
 _PROJECTION_HOOKS = {
@@ -94,41 +78,12 @@ _EINSUM_OVERRIDES = ("einsum_dot_general", "qk_attn_weights_einsum", "attn_weigh
 
 
 def checked_attention_fn(fn: Callable) -> Callable | None:
-    """The checked equivalent of an ``attention_fn``, or None when it cannot be checked.
+    """The checked equivalent of a linen ``attention_fn``, or None when it cannot be checked.
 
-    Flax's ``dot_product_attention`` (or sdcguard's) and ``functools.partial`` of either with
-    keyword arguments only (e.g. ``partial(nn.dot_product_attention, force_fp32_for_softmax=
-    True)``) are recognised: the same arithmetic with every GEMM checked. Anything else is a
-    core this library cannot see into.
+    Flax's ``dot_product_attention`` (or sdcguard's) and keyword ``functools.partial`` s of
+    either (``partial(nn.dot_product_attention, force_fp32_for_softmax=True)``) are recognised.
     """
-    keywords = {}
-    while isinstance(fn, functools.partial):
-        if fn.args:
-            return None
-        keywords = {**fn.keywords, **keywords}
-        fn = fn.func
-    if fn not in (_flax_dot_product_attention, dot_product_attention):
-        return None
-    if any(keywords.get(k) is not None for k in _EINSUM_OVERRIDES):
-        return None
-    known = inspect.signature(dot_product_attention).parameters
-    if not set(keywords) <= set(known):
-        return None
-    if not keywords:
-        return dot_product_attention
-    return functools.partial(dot_product_attention, **keywords)
-
-
-def _warn_unchecked(where: str, fn: Callable) -> None:
-    # The warnings registry shows one message per (text, location): once per custom core.
-    warnings.warn(
-        f"{where}: attention_fn {fn!r} is not Flax's dot_product_attention, so its scores, "
-        "probs and context GEMMs run unchecked (the query/key/value/out projections are "
-        "checked). Use flax's or sdcguard's dot_product_attention (optionally through "
-        "functools.partial with keyword arguments) to check them too.",
-        UncheckedAttentionWarning,
-        stacklevel=2,
-    )
+    return checked_core(fn, _flax_dot_product_attention, dot_product_attention, _EINSUM_OVERRIDES)
 
 
 def _check_protectable(module: nn.MultiHeadDotProductAttention) -> None:
@@ -153,7 +108,8 @@ def _hooks(module: nn.MultiHeadDotProductAttention) -> dict[str, object]:
     hooks: dict[str, object] = dict(_PROJECTION_HOOKS)
     checked = checked_attention_fn(module.attention_fn)
     if checked is None:
-        _warn_unchecked(module.name or type(module).__name__, module.attention_fn)
+        where = module.name or type(module).__name__
+        warn_unchecked(where, module.attention_fn, "flax's or sdcguard's dot_product_attention")
     else:
         hooks["attention_fn"] = checked
     return hooks
@@ -188,7 +144,7 @@ def _collection_error(module: nn.Module, collection: str, what: str) -> ValueErr
 
 
 def record_counts(module: nn.Module, counts: jax.Array) -> None:
-    """Adds ``counts`` ``[7, NUM_COUNTERS]`` to ``module``'s ``'sdc'`` collection when it is
+    """Adds ``counts`` ``[7, 4]`` to ``module``'s ``'sdc'`` collection when it is
     mutable (not while initializing: ``init`` returns Flax's collections only)."""
     if module.is_initializing():
         return
@@ -200,7 +156,7 @@ def record_counts(module: nn.Module, counts: jax.Array) -> None:
         if _dropped_by_transform(module, "sdc", mutable):
             raise _collection_error(module, "sdc", "forward counters")
         return
-    var = module.variable("sdc", COUNTS, jnp.zeros, (len(ATTENTION_SITES), NUM_COUNTERS), jnp.int32)
+    var = module.variable("sdc", COUNTS, Counts.zeros, len(ATTENTION_SITES))
     var.value = var.value + counts
 
 
@@ -208,8 +164,11 @@ def _has_sinks(module: nn.Module) -> bool:
     return "sdc_grad" in module.scope.root.variables()
 
 
+def _zero_sinks() -> jax.Array:
+    return Counts.zeros(len(GEMM_SITES), 2, dtype=jnp.float32)
+
+
 def _sinks(module: nn.Module) -> jax.Array | None:
-    shape = (len(GEMM_SITES), 2, NUM_COUNTERS)
     if module.has_variable("sdc_grad", SINKS):
         return module.variable("sdc_grad", SINKS).value
     if _MAKING_SINKS.get():
@@ -218,7 +177,7 @@ def _sinks(module: nn.Module) -> jax.Array | None:
             return m.is_mutable_collection("sdc_grad")
 
         if mutable(module):
-            return module.variable("sdc_grad", SINKS, jnp.zeros, shape, jnp.float32).value
+            return module.variable("sdc_grad", SINKS, _zero_sinks).value
         if _dropped_by_transform(module, "sdc_grad", mutable):
             raise _collection_error(module, "sdc_grad", "backward-counter sinks")
         return None
@@ -354,7 +313,7 @@ def _leaves_named(tree: Mapping, name: str, path=()) -> Iterator[tuple[tuple[str
 def site_counts(sdc: Mapping) -> dict[str, np.ndarray]:
     """Forward counters by site name from an ``'sdc'`` collection.
 
-    Counters stacked by ``nn.scan``/``nn.vmap`` (``[..., 7, NUM_COUNTERS]``) are summed over the
+    Counters stacked by ``nn.scan``/``nn.vmap`` (``[..., 7, 4]``) are summed over the
     stacked axes.
 
     Returns:
@@ -363,7 +322,7 @@ def site_counts(sdc: Mapping) -> dict[str, np.ndarray]:
     """
     out = {}
     for path, counts in _leaves_named(sdc, COUNTS):
-        counts = np.asarray(counts).reshape(-1, len(ATTENTION_SITES), NUM_COUNTERS).sum(0)
+        counts = Counts.rows(np.asarray(counts), len(ATTENTION_SITES)).sum(0)
         for i, s in enumerate(ATTENTION_SITES):
             out[site_name(path, s)] = counts[i]
     return out
@@ -374,7 +333,7 @@ def backward_site_counts(sink_grads: Mapping) -> dict[str, np.ndarray]:
     out = {}
     for path, grads in _leaves_named(sink_grads, SINKS):
         grads = np.rint(np.asarray(grads)).astype(np.int64)
-        grads = grads.reshape(-1, len(GEMM_SITES), 2, NUM_COUNTERS).sum(0)
+        grads = Counts.rows(grads, len(GEMM_SITES), 2).sum(0)
         for i, s in enumerate(GEMM_SITES):
             for j, suffix in enumerate(GRAD_SUFFIXES):
                 out[site_name(path, s) + suffix] = grads[i, j]
@@ -382,20 +341,15 @@ def backward_site_counts(sink_grads: Mapping) -> dict[str, np.ndarray]:
 
 
 def total_counts(sdc: Mapping | None = None, sink_grads: Mapping | None = None) -> jax.Array:
-    """int32 ``[NUM_COUNTERS]`` totals over all layers, forward and backward (traceable, no
+    """int32 ``[4]`` totals over all layers, forward and backward (traceable, no
     host sync)."""
-    total = jnp.zeros((NUM_COUNTERS,), jnp.int32)
+    total = Counts.zeros()
     for _, counts in _leaves_named(sdc or {}, COUNTS):
-        total = total + jnp.sum(jnp.reshape(counts, (-1, NUM_COUNTERS)), axis=0)
+        total = total + jnp.sum(Counts.rows(jnp.asarray(counts)), axis=0)
     for _, grads in _leaves_named(sink_grads or {}, SINKS):
-        summed = jnp.sum(jnp.reshape(grads, (-1, NUM_COUNTERS)), axis=0)
+        summed = jnp.sum(Counts.rows(jnp.asarray(grads)), axis=0)
         total = total + jnp.rint(summed).astype(jnp.int32)
     return total
-
-
-def _current_linen_module():
-    """The Flax linen module whose method is running, or None outside any."""
-    return linen_module._context.module_stack[-1]
 
 
 def dot_product_attention(
@@ -446,7 +400,7 @@ def dot_product_attention(
     recorder = current_recorder()
     owner = None
     if recorder is None:
-        owner = _current_linen_module()
+        owner = current_linen_module()
         if owner is not None and owner.scope is None:
             owner = None  # an unbound module cannot hold counters
         recorder = SiteRecorder(owner.path if owner else ("attention",), abft or ABFTConfig())

@@ -5,10 +5,11 @@ and its ``attention_fn`` replaced by checked ones. Constructed, it holds exactly
 Flax's layer (``nnx.split(layer, nnx.Param)`` works as for Flax's); the counters are two more
 variables:
 
-  ``sdc_counts`` (:class:`SDCCounts`): int32 ``[7, NUM_COUNTERS]`` forward counters (rows:
-    ATTENTION_SITES; columns: :class:`sdcguard.protection.abft.Counts`), accumulated in place;
+  ``sdc_counts`` (:class:`SDCCounts`): int32 ``[7, 4]`` forward counters (rows:
+    ATTENTION_SITES; columns: :class:`sdcguard.protection.Counts`: detected, corrected,
+    uncorrectable, nonfinite_input), accumulated in place;
     created by the first call (or by :func:`protect`).
-  ``sdc_sinks`` (:class:`SDCSink`): float32 ``[6, 2, NUM_COUNTERS]`` zeros whose gradient holds
+  ``sdc_sinks`` (:class:`SDCSink`): float32 ``[6, 2, 4]`` zeros whose gradient holds
     the backward counters: made by :func:`protect` or :func:`init_sinks`; differentiate with
     ``nnx.DiffState(0, nnx.Any(nnx.Param, SDCSink))``.
 
@@ -20,27 +21,25 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import inspect
 import warnings
 from collections.abc import Callable, Iterator
 
 import jax.numpy as jnp
 import numpy as np
-from flax import errors as flax_errors
-from flax import nnx
+from flax import errors as flax_errors, nnx
 from flax.nnx.nn import dtypes
 
-from sdcguard.fault_model.sites import ATTENTION_SITES, GEMM_SITES, GRAD_SUFFIXES, site_name
-from sdcguard.protection.abft import NUM_COUNTERS, ABFTConfig
-from sdcguard.protection.attention import (
+from sdcguard.fault_model import ATTENTION_SITES, GEMM_SITES, GRAD_SUFFIXES, site_name
+from sdcguard.protection._attention import (
+    ProjectionDotGeneral,
     SiteRecorder,
-    UncheckedAttentionWarning,
+    checked_core,
     current_recorder,
     protected_attention,
     recording,
+    warn_unchecked,
 )
+from sdcguard.protection._config import ABFTConfig, Counts
 
 # Flax's class and core, bound once: a test harness may replace the names in flax.nnx by ours.
 _FlaxMultiHeadAttention = nnx.MultiHeadAttention
@@ -52,27 +51,11 @@ class CountersDroppedWarning(UserWarning):
 
 
 class SDCCounts(nnx.Variable):
-    """Forward ABFT counters of one attention layer, int32 ``[7, NUM_COUNTERS]``."""
+    """Forward ABFT counters of one attention layer, int32 ``[7, 4]``."""
 
 
 class SDCSink(nnx.Variable):
-    """Backward-counter sink of one attention layer, float32 ``[6, 2, NUM_COUNTERS]`` zeros."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ProjectionDotGeneral:
-    """``dot_general`` of one projection (``query``, ``key``, ``value``, ``out``) of the layer."""
-
-    site: str
-
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None, **kwargs):
-        recorder = current_recorder()
-        if recorder is None:
-            raise RuntimeError(
-                "this projection belongs to a protected sdcguard attention layer and can only "
-                "run inside it"
-            )
-        return recorder.dot_general(self.site, lhs, rhs, dimension_numbers, precision, **kwargs)
+    """Backward-counter sink of one attention layer, float32 ``[6, 2, 4]`` zeros."""
 
 
 def attention_fn(
@@ -128,23 +111,10 @@ def attention_fn(
 
 
 def checked_attention_fn(fn: Callable) -> Callable | None:
-    """The checked equivalent of an NNX ``attention_fn``, or None when it cannot be checked.
-
-    Flax's ``nnx.dot_product_attention`` (or :func:`attention_fn`) and ``functools.partial`` of
-    either with keyword arguments only are recognised; anything else is a core this library
-    cannot see into.
-    """
-    keywords = {}
-    while isinstance(fn, functools.partial):
-        if fn.args:
-            return None
-        keywords = {**fn.keywords, **keywords}
-        fn = fn.func
-    if fn not in (_flax_dot_product_attention, attention_fn):
-        return None
-    if not set(keywords) <= set(inspect.signature(attention_fn).parameters):
-        return None
-    return functools.partial(attention_fn, **keywords) if keywords else attention_fn
+    """The checked equivalent of an NNX ``attention_fn``, or None when it cannot be checked:
+    Flax's ``nnx.dot_product_attention`` (or :func:`attention_fn`) and keyword
+    ``functools.partial`` s of either are recognised."""
+    return checked_core(fn, _flax_dot_product_attention, attention_fn)
 
 
 class MultiHeadAttention(_FlaxMultiHeadAttention):
@@ -202,15 +172,7 @@ def _install(layer: _FlaxMultiHeadAttention, config: ABFTConfig, path: str) -> N
             )
     checked = checked_attention_fn(layer.attention_fn)
     if checked is None:
-        # The warnings registry shows one message per (text, location): once per custom core.
-        warnings.warn(
-            f"{path}: attention_fn {layer.attention_fn!r} is not Flax's dot_product_attention, "
-            "so its scores, probs and context GEMMs run unchecked (the query/key/value/out "
-            "projections are checked). Use nnx.dot_product_attention (optionally through "
-            "functools.partial with keyword arguments) to check them too.",
-            UncheckedAttentionWarning,
-            stacklevel=2,
-        )
+        warn_unchecked(path, layer.attention_fn, "nnx.dot_product_attention", stacklevel=2)
     else:
         layer.attention_fn = checked
     for site in ("query", "key", "value", "out"):
@@ -242,7 +204,7 @@ def init_sinks(model: nnx.Module) -> nnx.Module:
     """
     for _, layer in _protected_layers(model):
         if layer.sdc_sinks is None:
-            layer.sdc_sinks = SDCSink(jnp.zeros((len(GEMM_SITES), 2, NUM_COUNTERS), jnp.float32))
+            layer.sdc_sinks = SDCSink(Counts.zeros(len(GEMM_SITES), 2, dtype=jnp.float32))
     return model
 
 
@@ -261,7 +223,7 @@ def protect(model: nnx.Module, config: ABFTConfig | None = None) -> nnx.Module:
             _install(layer, config, path)
             layer.__class__ = MultiHeadAttention
         if layer.sdc_counts is None:
-            layer.sdc_counts = SDCCounts(jnp.zeros((len(ATTENTION_SITES), NUM_COUNTERS), jnp.int32))
+            layer.sdc_counts = SDCCounts(Counts.zeros(len(ATTENTION_SITES)))
     return init_sinks(model)
 
 

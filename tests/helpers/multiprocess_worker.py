@@ -24,12 +24,11 @@ jax.distributed.initialize(
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from sdcguard.guard.recovery import CheckpointTier  # noqa: E402
-from sdcguard.guard.update_guard import refuse_corrupted, tree_fingerprint  # noqa: E402
+from sdcguard.guard import refuse_corrupted, tree_fingerprint  # noqa: E402
 from sdcguard.models import GPT, ByteBatches, GPTConfig, init_params, lm_loss  # noqa: E402
+from sdcguard.recovery import CheckpointTier  # noqa: E402
 
 BAD_STEP, BAD_REPLICA = 3, 3
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sdcguard.replay.task import ReplayTask
+from sdcguard.replay import ReplayTask
 
 # Set in a node's environment, these make the task misbehave there (see each task).
 RAISE_ENV = "SDCGUARD_TEST_TASK_RAISES"

@@ -1,6 +1,6 @@
 """``checked_matmul``: the GEMM checked tile by tile inside one Hopper kernel, and its host side.
 
-:func:`checked_matmul` runs :mod:`sdcguard.protection.pallas.mgpu_matmul`'s kernel for bf16 and
+:func:`checked_matmul` runs :mod:`sdcguard.protection.pallas.matmul_mgpu`'s kernel for bf16 and
 fp16 operands: every ``[tile_m, tile_n]`` tile of ``C`` is checked on its float32 accumulator
 before it is rounded and stored, and a single error per row of a tile is located and rebuilt
 in registers. Around the kernel, XLA does three small things:
@@ -15,23 +15,23 @@ in registers. Around the kernel, XLA does three small things:
   and no data-dependent control flow; a tile with a located element beyond that is counted
   uncorrectable;
 * the counters, summed over tiles: int32 ``[detected, corrected, uncorrectable,
-  nonfinite_input]`` as :func:`sdcguard.protection.config.count_outcomes` defines them. A tile
+  nonfinite_input]`` as :func:`sdcguard.protection._config.count_outcomes` defines them. A tile
   is *detected* when any of its rows is flagged, *nonfinite_input* when a flagged row's
   checksum, computed from the inputs alone, is not finite (or a recomputed element is: the
   inputs define a non-finite value there; it is left as they define it), *corrected* when
   every flagged row was located, rebuilt and recomputed.
 
 float32 operands (and mixed dtypes) take the XLA path (``einsum``,
-:func:`sdcguard.fault_model.inject.apply`,
-:func:`sdcguard.protection.checksums.check_contraction`): Hopper's float32 WGMMA rounds its
+:func:`sdcguard.fault_model.apply`,
+:func:`sdcguard.protection.check_contraction`): Hopper's float32 WGMMA rounds its
 inputs to TF32, and the XLA path already checks float32 GEMMs.
 
 :func:`checked_matmul_reference` is the pure-jnp reference (``einsum`` and
-:func:`sdcguard.protection.checksums.check_contraction`).
+:func:`sdcguard.protection.check_contraction`).
 
 Off a GPU the kernel runs in Mosaic GPU's interpret mode (``interpret=None`` picks it): slow,
 for tests, and only with at least four XLA:CPU pool threads
-(``PJRT_NPROC=4`` on a machine with fewer CPUs; see :func:`_interpreting`).
+(``PJRT_NPROC=4`` on a machine with fewer CPUs).
 
 Example:
   >>> c, counts = checked_matmul(a, b)   # a: [B, M, K], b: [B, K, N], bf16
@@ -45,17 +45,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdcguard.fault_model import inject
-from sdcguard.protection.checksums import Contraction, check_contraction
-from sdcguard.protection.config import ABFTConfig, zero_counts
-from sdcguard.protection.pallas import mgpu_matmul, verify
-from sdcguard.protection.pallas._common import (
-    cdiv,
-    require_interpreter_pool,
-    resolve_interpret,
-    site_fault_index,
-)
-from sdcguard.protection.pallas.mgpu_matmul import SUPPORTED_DTYPES, BlockSizes
+from sdcguard import fault_model as inject
+from sdcguard.protection._checks import check_contraction
+from sdcguard.protection._config import ABFTConfig, zero_counts
+from sdcguard.protection._contraction import Contraction
+from sdcguard.protection.pallas import matmul_mgpu, verify
+from sdcguard.protection.pallas._platform import mosaic_interpret_mode, num_sms, resolve_interpret
+from sdcguard.protection.pallas._tiles import cdiv, site_fault_index
+from sdcguard.protection.pallas.matmul_mgpu import SUPPORTED_DTYPES, BlockSizes
 
 CANONICAL = Contraction("bmk", "bkn", "bmn")
 DEFAULT_BLOCK_SIZES = BlockSizes()
@@ -77,27 +74,17 @@ def _num_sms(interpret: bool, tiles: int) -> int:
         # The interpreter runs programs one after another: the number only decides how the
         # tiles are shared out (any number is correct on the hardware).
         return min(tiles, INTERPRET_PROGRAMS)
-    abstract = jax.sharding.get_abstract_mesh().abstract_device
-    if abstract is not None:  # lowering for a named GPU from elsewhere
-        return int(abstract.num_cores)
-    return int(jax.devices()[0].core_count)
+    return num_sms()
 
 
 @contextlib.contextmanager
 def _interpreting(interpret: bool):
-    """Runs the kernel traced in the block in Mosaic GPU's interpret mode (when ``interpret``),
-    which needs a large enough XLA:CPU pool (see
-    :func:`~sdcguard.protection.pallas._common.require_interpreter_pool`)."""
+    """Runs the kernel traced in the block in Mosaic GPU's interpret mode (when ``interpret``)."""
     if not interpret:
         yield
         return
-    require_interpreter_pool(fallback="pass emulate=True to run the kernel's per-tile check as jnp")
-    from jax._src.pallas.mosaic_gpu.interpret.params import (
-        InterpretGPUParams,
-        force_gpu_interpret_mode,
-    )
-
-    with force_gpu_interpret_mode(InterpretGPUParams()):
+    fallback = "pass emulate=True to run the kernel's per-tile check as jnp"
+    with mosaic_interpret_mode(fallback=fallback):
         yield
 
 
@@ -137,6 +124,12 @@ def _injected_values(a, b, faults: FaultCoords, out_dtype):
     clean = verify.recompute_elements(a, b, fb, fm, fn).astype(out_dtype)
     corrupted = inject.corrupt(clean, kind, bit, value)
     return hit, fb, fm, fn, corrupted.astype(jnp.float32)
+
+
+def _batched(a, b):
+    """``(squeeze, a, b)``: 2-D operands get a batch axis of 1 (``squeeze``: remove it after)."""
+    squeeze = a.ndim == 2 and b.ndim == 2
+    return squeeze, (a[None] if squeeze else a), (b[None] if squeeze else b)
 
 
 def _pad_to(x, shape):
@@ -180,7 +173,7 @@ def checked_matmul(
       interpret: Mosaic GPU interpret mode (default: when the backend is not a GPU). Raises
         ``RuntimeError`` when XLA:CPU's thread pool is too small for the interpreter to finish
         (fewer than four threads; set ``PJRT_NPROC``).
-      emulate: run :func:`sdcguard.protection.pallas.mgpu_matmul.reference_kernel` instead of
+      emulate: run :func:`sdcguard.protection.pallas.matmul_mgpu.reference_kernel` instead of
         the kernel: the kernel's per-tile check as plain jnp on an XLA product (fast on a
         CPU; the tests compare the kernel with it).
 
@@ -188,9 +181,7 @@ def checked_matmul(
       ``(c, counts)``: ``c [batch, M, N]`` (``[M, N]`` for 2-D operands) and int32
       ``[detected, corrected, uncorrectable, nonfinite_input]`` summed over tiles.
     """
-    squeeze = a.ndim == 2 and b.ndim == 2
-    if squeeze:
-        a, b = a[None], b[None]
+    squeeze, a, b = _batched(a, b)
     if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(
             f"checked_matmul wants [B, M, K] x [B, K, N] (or [M, K] x [K, N]), got "
@@ -270,14 +261,14 @@ def _kernel_path(
     bc = params = None
     num_faults = 0
     if check:
-        bc, scales, magnitudes = mgpu_matmul.checksum_columns(
+        bc, scales, magnitudes = matmul_mgpu.checksum_columns(
             b_p, tile_n=bs.tile_n, transposed=not (interpret or emulate)
         )
         injected = None
         if faults is not None:
             injected = _injected_values(a, b, faults, out_dtype)
             num_faults = int(injected[0].shape[0])
-        params = mgpu_matmul.tile_parameters(
+        params = matmul_mgpu.tile_parameters(
             a_p,
             scales,
             magnitudes,
@@ -287,7 +278,7 @@ def _kernel_path(
             faults=injected,
         )
     if emulate and check:
-        c, status = mgpu_matmul.reference_kernel(
+        c, status = matmul_mgpu.reference_kernel(
             a_p,
             b_p,
             bc,
@@ -302,7 +293,7 @@ def _kernel_path(
         c, status = jnp.einsum("bmk,bkn->bmn", a_p, b_p, preferred_element_type=out_dtype), None
     else:
         with _interpreting(interpret):
-            c, status = mgpu_matmul.call_kernel(
+            c, status = matmul_mgpu.call_kernel(
                 a_p,
                 b_p,
                 bc,
@@ -341,9 +332,7 @@ def checked_matmul_reference(
     Its counters are per matrix (the XLA path's unit), the kernel's per tile: they agree for
     faults in one tile of each matrix.
     """
-    squeeze = a.ndim == 2 and b.ndim == 2
-    if squeeze:
-        a, b = a[None], b[None]
+    squeeze, a, b = _batched(a, b)
     config = ABFTConfig(correct=correct, safety=safety, near_inf=near_inf)
     c = jnp.einsum(
         "bmk,bkn->bmn",
@@ -449,12 +438,3 @@ def checked_contraction(
         emulate=emulate,
     )
     return _uncanonical(c3, ct.out, groups, contraction_dims(a, b, ct)), counts
-
-
-__all__ = [
-    "BlockSizes",
-    "checked_contraction",
-    "checked_matmul",
-    "checked_matmul_reference",
-    "uses_kernel",
-]

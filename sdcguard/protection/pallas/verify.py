@@ -1,6 +1,6 @@
 """After the checked GEMM kernel: exact recomputation of located elements, and the counters.
 
-The kernel (:mod:`sdcguard.protection.pallas.mgpu_matmul`) leaves, per row of every output
+The kernel (:mod:`sdcguard.protection.pallas.matmul_mgpu`) leaves, per row of every output
 tile, a status (clean, located, uncorrectable, non-finite inputs) and the located column, and
 has already rebuilt each located element from its row checksum. A rebuilt value is only as
 exact as the checksums (float32 round-off of the whole row), so :func:`recompute_and_count`
@@ -23,8 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sdcguard.protection.config import count_outcomes
-from sdcguard.protection.pallas.mgpu_matmul import LOCATED, NONFINITE_INPUT, UNCORRECTABLE
+from sdcguard.protection._config import count_outcomes
+from sdcguard.protection.pallas.matmul_mgpu import LOCATED, NONFINITE_INPUT, UNCORRECTABLE
 
 
 def recompute_elements(a: jax.Array, b: jax.Array, bi, m, n) -> jax.Array:
@@ -88,6 +88,3 @@ def recompute_and_count(
     unfixed = per_tile((state == UNCORRECTABLE) | beyond) & ~nonfinite
     corrected = detected & ~unfixed & ~nonfinite
     return c, count_outcomes(jnp.sum(detected), jnp.sum(corrected), jnp.sum(nonfinite))
-
-
-__all__ = ["recompute_and_count", "recompute_elements"]

@@ -1,0 +1,124 @@
+"""Injection points: where injection code is compiled, which sites have it, and faults aimed
+at none of them.
+
+Example:
+  >>> with recording_injection_points(set()) as points:
+  ...     jax.make_jaxpr(step)(params, batch)
+  >>> raise_if_unmatched(plan, points)  # inside the step: a misspelt site fails the step
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import difflib
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sdcguard.fault_model._context import scoped
+from sdcguard.fault_model._plan import FaultPlan
+from sdcguard.fault_model._sites import site_id, site_name_of
+
+
+class Restriction(NamedTuple):
+    """What :func:`restrict_sites` set: the armed sites (None: all), and where to record the
+    size and dtype name of every site traced (None: nowhere)."""
+
+    armed: frozenset[str] | None = None
+    sizes: dict[str, int] | None = None
+    dtypes: dict[str, str] | None = None
+
+
+_RESTRICTION: contextvars.ContextVar[Restriction | None] = contextvars.ContextVar(
+    "sdcguard_injection_restriction", default=None
+)
+_INJECTION_POINTS: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "sdcguard_injection_points", default=None
+)
+
+
+@contextlib.contextmanager
+def restrict_sites(
+    armed: Iterable[str] | None = None,
+    *,
+    sizes: dict[str, int] | None = None,
+    dtypes: dict[str, str] | None = None,
+) -> Iterator[None]:
+    """While tracing inside the block, compile injection code only at the ``armed`` sites.
+
+    Sites not armed compile to nothing, so two programs traced with the same armed set are the
+    same program whatever their plans. Cover the whole trace, ``value_and_grad`` included:
+    backward sites are traced after the forward pass has returned.
+
+    Args:
+      armed: the site names to arm; None arms all.
+      sizes: receives the element count of every site traced, armed or not.
+      dtypes: receives their dtype names (a bit flip's ``bit`` must be below that width).
+    """
+    armed = None if armed is None else frozenset(armed)
+    with scoped(_RESTRICTION, Restriction(armed, sizes, dtypes)):
+        yield
+
+
+def note_site(site: str, size: int, dtype) -> bool:
+    """Records an injection point at ``site`` (size, dtype) for the blocks above; returns
+    whether injection code is to be compiled there (its site is armed)."""
+    note_injection_point(site)
+    armed, sizes, dtypes = _RESTRICTION.get() or Restriction()
+    if sizes is not None:
+        sizes.setdefault(site, int(size))
+    if dtypes is not None:
+        dtypes.setdefault(site, str(dtype))
+    return armed is None or site in armed
+
+
+@contextlib.contextmanager
+def recording_injection_points(points: set[str]) -> Iterator[set[str]]:
+    """While tracing inside the block, adds the name of every site that gets an injection point
+    to ``points`` (armed or not, with or without a plan).
+
+    Example:
+      >>> with recording_injection_points(set()) as points:
+      ...     jax.make_jaxpr(step)(params, batch)
+    """
+    with scoped(_INJECTION_POINTS, points):
+        yield points
+
+
+def note_injection_point(site: str) -> None:
+    """Tells :func:`recording_injection_points` that ``site`` has an injection point: what
+    every injector calls (``apply_in_block``, and the Pallas kernels, which inject inside the
+    kernel)."""
+    points = _INJECTION_POINTS.get()
+    if points is not None:
+        points.add(site)
+
+
+def raise_if_unmatched(plan: FaultPlan | None, sites: Iterable[str]) -> None:
+    """Makes the step fail when a fault of ``plan`` fires now at a site not in ``sites`` (the
+    step's injection points): a misspelt site would otherwise look like a caught fault.
+
+    Decided when the step runs (plans are data): a host callback raises a ``ValueError`` that
+    names the sites, with close matches. Without a plan, the step is unchanged.
+    """
+    if plan is None or plan.num_faults == 0:
+        return
+    sites = sorted(set(sites))
+    known = jnp.asarray([site_id(s) for s in sites] or [-2], jnp.int32)
+    unmatched = (plan.site >= 0) & plan.fires_now() & ~jnp.isin(plan.site, known)
+
+    def report(unmatched, ids):
+        if not unmatched.any():
+            return
+        names = sorted({site_name_of(i) for i in ids[unmatched]})
+        close = {n: difflib.get_close_matches(n, sites, n=3, cutoff=0.4) for n in names}
+        raise ValueError(
+            f"fault plan targets {names}, which match no injection point of this step; close "
+            f"matches: {close}. sdcguard.list_sites(step, ...) lists the GEMM sites; "
+            "ABFTConfig(allow_unmatched=True) accepts faults aimed elsewhere."
+        )
+
+    jax.debug.callback(report, unmatched, plan.site)

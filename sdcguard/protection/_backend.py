@@ -1,0 +1,27 @@
+"""What the default backend does to a GEMM's arithmetic (docs/abft.md, "Tolerance model")."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sums_low_precision_in_float32() -> bool:
+    """Whether the backend computes a bf16/fp16 dot with a float32 result in float32.
+
+    True on GPUs (cuBLAS and Triton GEMMs); False on XLA:CPU, where the checked GEMMs widen
+    their operands to float32 first (docs/abft.md, "How the code is cut").
+    """
+    return jax.default_backend() != "cpu"
+
+
+def input_rounding(dtype, precision=None, backend: str | None = None) -> float:
+    """Unit round-off of the backend's rounding of matmul inputs (0 when exact).
+
+    TF32 on GPU and one bf16 pass on TPU for float32 at default precision; 0 on CPU.
+    """
+    backend = backend or jax.default_backend()
+    highest = precision in (jax.lax.Precision.HIGHEST, "highest", "float32")
+    if jnp.dtype(dtype) != jnp.float32 or highest or backend == "cpu":
+        return 0.0
+    return 2.0**-11 if backend == "gpu" else 2.0**-8  # TF32 on GPU, one bf16 pass on TPU

@@ -1,0 +1,234 @@
+"""Verify one contraction by its row checksums and repair it in place.
+
+Example:
+  >>> ct = Contraction.parse("bmk,bkn->bmn", 3, 3)
+  >>> c, counts = check_contraction(jnp.einsum(ct.spec, a, b), a, b, ct, config=ABFTConfig())
+"""
+
+from __future__ import annotations
+
+import math
+import string
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sdcguard._in_place import apply_if
+from sdcguard.protection._backend import sums_low_precision_in_float32
+from sdcguard.protection._checksums import reduce_together, row_check
+from sdcguard.protection._config import ABFTConfig, count_outcomes, zero_counts
+from sdcguard.protection._contraction import Contraction, gather_lines, set_lines, unravel
+from sdcguard.protection._tolerance import (
+    element_tolerance,
+    narrower_than_float32,
+    output_rounding,
+)
+
+
+def check_contraction(
+    c: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    contraction: Contraction,
+    *,
+    config: ABFTConfig,
+    precision=None,
+    lhs_nonnegative: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Verifies ``c == einsum(contraction, a, b)`` by its row checksums; repairs one row per matrix.
+
+    The flagged row of each matrix is computed again from its row of ``a`` and all of ``b`` and
+    written over it, branch-free; it counts as corrected only if it then passes its check. A
+    matrix with more than one flagged row is ``uncorrectable``, one whose inputs define a
+    non-finite row ``nonfinite_input``; both are left as they are (docs/abft.md, "Checks").
+
+    Args:
+      c: the computed output (possibly corrupted), letters ``contraction.out``.
+      a, b: the inputs, letters ``contraction.lhs`` / ``contraction.rhs``.
+      contraction: the parsed einsum.
+      config: thresholds (``safety``) and whether to correct (``correct``).
+      precision: the precision of the GEMM (for the input-rounding term of the tolerance).
+      lhs_nonnegative: ``a >= 0`` elementwise on clean data (see :func:`checked_einsum`).
+
+    Returns:
+      ``(c_checked, counts)``: ``c`` with a flagged row per matrix recomputed (unchanged when
+      clean), and int32 ``[detected, corrected, uncorrectable, nonfinite_input]`` summed over
+      the batch of matrices.
+
+    Example:
+      >>> ct = Contraction.parse("bmk,bkn->bmn", 3, 3)
+      >>> c, counts = check_contraction(jnp.einsum(ct.spec, a, b), a, b, ct, config=ABFTConfig())
+    """
+    ct = contraction
+    if not ct.out:
+        # A dot of two vectors: one matrix of one element, as a batch of one.
+        z = next(x for x in string.ascii_letters if x not in ct.lhs + ct.rhs)
+        one = Contraction(z + ct.lhs, z + ct.rhs, z)
+        fixed, counts = check_contraction(
+            c[None], a[None], b[None], one, config=config, precision=precision
+        )
+        return fixed[0], counts
+    rows = row_check(
+        c, a, b, ct, safety=config.safety, precision=precision, lhs_nonnegative=lhs_nonnegative
+    )
+    bad_row = ~(jnp.abs(rows.row_sum - rows.ref) <= rows.threshold)  # NaN and INF rows fail too
+    # Per matrix of the batch: rows flattened, [batch..., rows] with the batch letters first.
+    row_term = ct.without(ct.rhs_free)
+    order = [row_term.index(x) for x in ct.batch + ct.lhs_free]
+
+    def per_matrix(x):
+        x = jnp.transpose(x, order)
+        return x.reshape((*x.shape[: len(ct.batch)], -1))
+
+    # Both counters from one reduction of one flag per row: 0 clean, 1 flagged, 2 flagged where
+    # the inputs alone define a non-finite row sum (an operand already held a NaN or INF).
+    status = jnp.where(bad_row, jnp.where(jnp.isfinite(rows.ref), 1, 2), 0).astype(jnp.int8)
+    if not config.correct:
+        # Detection only: C is passed on as it is. A flagged row whose checksum, computed from
+        # the inputs alone, is not finite was doomed upstream.
+        worst = jnp.max(per_matrix(status), axis=-1)
+        return c, count_outcomes(jnp.sum(worst > 0), 0, jnp.sum(worst == 2))
+    # In place, the number of flagged rows of each matrix too, in the same reduction.
+    flagged = per_matrix(bad_row).astype(jnp.int32)
+    reduced = reduce_together(
+        {"worst": ("max", per_matrix(status)), "flagged": ("sum", flagged)}, (len(ct.batch),)
+    )
+    detected, upstream = reduced["worst"] > 0, reduced["worst"] == 2
+
+    def repair(c):
+        """``c`` with the flagged row of each matrix recomputed, and the counters."""
+        dims = ct.sizes(a, b)
+        batch_shape = tuple(dims[x] for x in ct.batch)
+        n_batch = math.prod(batch_shape)
+        n_line = math.prod(dims[x] for x in ct.rhs_free)
+        # The flagged row of each matrix (the first, when there are several: then nothing is
+        # fixed), and its numbers, one per matrix: [n_batch].
+        row = jnp.argmax(per_matrix(bad_row), axis=-1).astype(jnp.uint32)
+
+        def at_row(x):
+            x = jnp.take_along_axis(
+                per_matrix(x), row[..., None], axis=-1, mode="promise_in_bounds"
+            )
+            return x[..., 0].reshape(-1)
+
+        ref, base_threshold = at_row(rows.ref), at_row(rows.base_threshold)
+        scale = rows.scale.reshape(-1)
+        matrix_at = {
+            **unravel(jnp.arange(n_batch), ct.batch, dims),
+            **{x: i.reshape(-1) for x, i in unravel(row, ct.lhs_free, dims).items()},
+        }
+        c_rows = gather_lines(c, ct.out, matrix_at, ct.rhs_free).reshape(n_batch, n_line)
+        exact = _recomputed_rows(a, b, ct, matrix_at, dims)
+        # Only the elements farther from their recomputation than rounding allows are replaced:
+        # the clean ones keep their bits. In the checksums' scaled units, so nothing overflows.
+        k = math.prod(dims[x] for x in ct.contracted)
+        exact_scaled = exact * scale[:, None].astype(exact.dtype)
+        tolerance = element_tolerance(
+            at_row(rows.magnitude)[:, None],
+            exact_scaled,
+            scale[:, None],
+            c.dtype,
+            a.dtype,
+            precision,
+            k=k,
+            safety=config.safety,
+        )
+        deviation = jnp.abs(c_rows.astype(exact.dtype) * scale[:, None] - exact_scaled)
+        wrong = ~(deviation <= tolerance)  # NaN and INF too
+        exact_c = exact.astype(c.dtype)  # rounded as the GEMM rounds its output
+        repaired = jnp.where(wrong, exact_c, c_rows)
+        # The repaired row must pass the row's check: hardware that corrupts the recomputation too
+        # is caught here (a non-finite element makes the sum non-finite, which fails). One pass
+        # over the row also says whether the inputs define a non-finite value in it (a max
+        # propagates NaN and INF).
+        repaired_scaled = repaired.astype(jnp.float32) * scale[:, None]
+        # As stored in c's dtype (an fp16 row may overflow there), scaled into float32's range.
+        exact_max = jnp.abs(exact_c.astype(exact.dtype) * scale[:, None]).astype(jnp.float32)
+        after = {"sum": ("sum", repaired_scaled), "exact_max": ("max", exact_max)}
+        if narrower_than_float32(c.dtype):
+            after["abs_sum"] = ("sum", jnp.abs(repaired_scaled))
+        after = reduce_together(after, (1,))
+        threshold_after = base_threshold + output_rounding(
+            after.get("abs_sum"), c.dtype, config.safety
+        )
+        passes = jnp.abs(after["sum"] - ref) <= threshold_after
+        single = (reduced["flagged"] == 1).reshape(-1)
+        doomed = upstream | (detected & ~jnp.isfinite(after["exact_max"]).reshape(batch_shape))
+        fix = detected.reshape(-1) & single & passes & ~doomed.reshape(-1)
+        new_rows = jnp.where(fix[:, None], repaired, c_rows)
+        return set_lines(c, ct.out, matrix_at, ct.rhs_free, new_rows), count_outcomes(
+            jnp.sum(detected), jnp.sum(fix), jnp.sum(doomed)
+        )
+
+    strategy = repair_strategy(config)
+    if strategy == "branch_free":
+        return repair(c)
+    anything = jnp.any(detected)
+    if strategy == "cond":
+        # The clean branch's counters come from the check's own data (zero when clean), so
+        # inside shard_map both branches are typed alike.
+        clean = count_outcomes(jnp.sum(detected), 0, jnp.sum(upstream))
+        return lax.cond(anything, repair, lambda c: (c, clean), c)
+    return repair_if(anything, repair, c)
+
+
+def repair_strategy(config: ABFTConfig) -> str:
+    """The repair :func:`check_contraction` compiles for ``config`` on the default backend.
+
+    ``"auto"`` is ``"branch_free"``: the strategy measured fastest on every backend measured
+    so far (docs/performance.md, "Repair strategies").
+    """
+    return "branch_free" if config.repair == "auto" else config.repair
+
+
+def repair_if(flagged: jax.Array, repair, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``repair(x)`` when ``flagged``, else ``(x, zero_counts())``; no copy of ``x`` when clean.
+
+    See :func:`sdcguard._in_place.apply_if` for why this is not a ``lax.cond``. It is not
+    reverse-differentiable: the checked einsum calls it inside its ``custom_vjp``, the softmax
+    check behind an identity ``custom_jvp``.
+
+    Args:
+      flagged: bool scalar, whether any line failed its check.
+      repair: ``x -> (x_repaired, counts)``; ``x_repaired`` has ``x``'s shape and dtype.
+      x: the checked tensor.
+
+    Returns:
+      ``(x or x_repaired, int32 [detected, corrected, uncorrectable, nonfinite_input])``.
+    """
+    # Zero counts typed like the flag (varying across devices inside shard_map, as the counts
+    # the repair computes from the device's own data are), so the loop's carry keeps its type.
+    zeros = zero_counts() + jnp.zeros_like(flagged, jnp.int32)
+    return apply_if(flagged, lambda checked: repair(checked[0]), (x, zeros))
+
+
+def _recomputed_rows(a, b, ct: Contraction, matrix_at: dict, dims: dict) -> jax.Array:
+    """One row of ``einsum(a, b)`` per matrix, computed again: ``[n_batch, N]`` (the rhs-free
+    axes flattened in the output's order), in float32 or wider, for the rows ``matrix_at`` names
+    (``{letter: [n_batch]}`` over the batch and lhs-free letters).
+
+    The row of ``a`` is gathered (``K`` numbers per matrix); ``b`` is read whole, as a
+    vector-matrix product per matrix, in its own layout.
+    """
+    common = jnp.result_type(a.dtype, b.dtype)
+    acc = jnp.promote_types(jnp.float32, common)  # float32, or float64 for float64
+    lhs_lines = gather_lines(
+        a, ct.lhs, {x: matrix_at[x] for x in ct.lhs if x in matrix_at}, ct.contracted
+    )
+    batch_shape = tuple(dims[x] for x in ct.batch)
+    lhs_k = "".join(x for x in ct.lhs if x in ct.contracted)
+    rhs_free = "".join(x for x in ct.out if x in ct.rhs_free)  # the output's order
+    spec = f"{ct.batch}{lhs_k},{ct.rhs}->{ct.batch}{rhs_free}"
+    lhs_lines = lhs_lines.reshape(*batch_shape, *lhs_lines.shape[1:])
+    if narrower_than_float32(common) and sums_low_precision_in_float32():
+        # bf16/fp16: each product is exact in float32 and the backend sums them in float32;
+        # reading B as stored is a fifth of the traffic of a float32 copy made and read.
+        rows = jnp.einsum(
+            spec, lhs_lines.astype(common), b.astype(common), preferred_element_type=acc
+        )
+    else:
+        rows = jnp.einsum(
+            spec, lhs_lines.astype(acc), b.astype(acc), precision=lax.Precision.HIGHEST
+        )
+    return rows.reshape(math.prod(batch_shape), -1)

@@ -1,0 +1,244 @@
+"""What a replay runs: the :class:`ReplayTask` (model, parameters, batches, loss, optimizer).
+
+A task is plain data plus a few pure functions. On the command line it is named
+``module:function`` (``--task``); the function takes no arguments and returns a ReplayTask.
+The default, :func:`reference_task`, trains the tiny reference GPT on byte batches, so
+``sdcguard compare`` runs with no set-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+
+DEFAULT_TASK = "sdcguard.replay:reference_task"
+_TASK_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class TaskError(ValueError):
+    """A task could not be loaded or built (bad name, missing checkpoint, wrong return type)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayTask:
+    """One training workload, described well enough to run it twice bit for bit.
+
+    Attributes:
+      model: a Flax linen module. Its submodules are the units of the lock-step comparison.
+        An NNX model runs wrapped as ``flax.nnx.bridge.to_linen(ModelClass, ...)``: every
+        level works, and the submodule level sees the wrapper as one submodule.
+      batches: ``batches(step)`` -> the batch of that step (a pytree of arrays), identical on
+        every machine (e.g. ``ByteBatches().batch``).
+      model_inputs: ``model_inputs(batch)`` -> tuple of positional arguments of ``model.apply``.
+      loss: ``loss(outputs, batch)`` -> scalar float loss.
+      optimizer: the Optax transformation of a training step.
+      seed: seed of the initial parameters (used when ``checkpoint`` is None) and of the
+        per-step PRNG keys in ``rng_collections``.
+      checkpoint: an Orbax checkpoint directory holding the parameter tree; restored instead
+        of initialising from ``seed``.
+      steps: number of training steps of the step/trajectory levels.
+      apply_kwargs: keyword arguments of ``model.apply`` (e.g. ``{"deterministic": False}``).
+      rng_collections: PRNG collections the model needs (e.g. ``("dropout",)``); their keys are
+        pinned: ``fold_in(key(seed), step)``.
+      protect_attention: route ``nn.MultiHeadDotProductAttention`` through sdcguard's attention
+        (no checks) so attention-internal sites (``...attn:scores`` etc.) can be injected.
+      gemm_sites: make every floating-point GEMM of the loss and its gradients an injection
+        point (no checks), named as :func:`sdcguard.checked` names it
+        (``decoder/block_0/mlp/fc_in:dot_general.grad_rhs``): faults at MLP, projection
+        and head GEMMs, forward and backward, for any model.
+      name: shown in reports.
+    """
+
+    model: nn.Module
+    batches: Callable[[int], Any]
+    model_inputs: Callable[[Any], tuple]
+    loss: Callable[[Any, Any], jax.Array]
+    optimizer: optax.GradientTransformation
+    seed: int = 0
+    checkpoint: str | None = None
+    steps: int = 3
+    apply_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    rng_collections: tuple[str, ...] = ()
+    protect_attention: bool = True
+    gemm_sites: bool = False
+    name: str = "task"
+
+    def __post_init__(self):
+        if not isinstance(self.model, nn.Module):
+            raise TaskError(
+                f"ReplayTask.model must be a flax.linen Module, got {type(self.model).__name__}"
+            )
+        if self.steps < 1:
+            raise TaskError(f"ReplayTask.steps must be >= 1, got {self.steps}")
+        object.__setattr__(self, "rng_collections", tuple(self.rng_collections))
+
+    def batch(self, step: int):
+        """The batch of ``step`` as numpy arrays (host memory)."""
+        return jax.tree.map(np.asarray, self.batches(step))
+
+    def rngs(self, step) -> dict[str, jax.Array]:
+        """Pinned PRNG keys of ``step`` (``step`` may be traced)."""
+        base = jax.random.key(self.seed)
+        return {
+            c: jax.random.fold_in(jax.random.fold_in(base, i), step)
+            for i, c in enumerate(self.rng_collections)
+        }
+
+    def abstract_params(self):
+        """The parameter tree's shapes and dtypes (``jax.ShapeDtypeStruct``), computing nothing."""
+        return jax.eval_shape(self._init_from_seed)
+
+    def init_params(self):
+        """Initial parameters: restored from ``checkpoint`` or initialised from ``seed``."""
+        abstract = self.abstract_params()
+        if self.checkpoint is None:
+            return self._init_from_seed()
+        return restore_params(self.checkpoint, abstract)
+
+    def _init_from_seed(self):
+        args = self.model_inputs(self.batch(0))
+        rngs = {"params": jax.random.key(self.seed), **self.rngs(0)}
+        return self.model.init(rngs, *args, **self.apply_kwargs)["params"]
+
+
+def restore_params(directory: str, abstract_params):
+    """Restores a parameter tree saved by :func:`save_params` (Orbax), checked against shapes.
+
+    Args:
+      directory: the checkpoint directory.
+      abstract_params: a pytree of ``jax.ShapeDtypeStruct`` the checkpoint must match.
+
+    Raises:
+      TaskError: the directory is missing or does not hold a matching parameter tree.
+    """
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(directory)
+    check_checkpoint_dir(directory)
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            return ckpt.restore(path, abstract_params)
+    except Exception as e:  # Orbax raises many types; all mean "not this model's checkpoint"
+        raise TaskError(
+            f"could not restore the task's parameters from checkpoint {directory!r}: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
+
+
+def check_checkpoint_dir(directory: str) -> None:
+    """A checkpoint (``--checkpoint``) is a directory that exists.
+
+    Raises:
+      TaskError: one line saying which it is not, and what to give.
+    """
+    if os.path.isdir(directory):
+        return
+    if os.path.exists(directory):
+        raise TaskError(
+            f"--checkpoint {directory!r} is a file, not a checkpoint: give the directory that "
+            "sdcguard.replay.save_params (Orbax) wrote"
+        )
+    raise TaskError(f"--checkpoint directory {directory!r} does not exist")
+
+
+def save_params(directory: str, params) -> None:
+    """Saves a parameter tree as an Orbax checkpoint that ``ReplayTask(checkpoint=...)`` reads."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(os.path.abspath(directory), params)
+        ckpt.wait_until_finished()
+
+
+def reference_task(
+    *,
+    steps: int = 3,
+    seed: int = 0,
+    checkpoint: str | None = None,
+    batch_size: int = 4,
+    gemm_sites: bool = False,
+) -> ReplayTask:
+    """The built-in task: the tiny reference GPT, Adam, next-byte prediction.
+
+    Batches are int32 ``[batch_size, 65]``; the model sees ``[:, :-1]`` and predicts ``[:, 1:]``.
+    ``gemm_sites``: every GEMM an injection point (see :class:`ReplayTask`).
+    """
+    from sdcguard.models import GPT, ByteBatches, GPTConfig, lm_loss
+
+    data = ByteBatches(batch_size=batch_size, seq_len=64, seed=seed)
+    return ReplayTask(
+        name="reference-gpt",
+        model=GPT(GPTConfig()),
+        batches=data.batch,
+        model_inputs=lambda batch: (batch[:, :-1],),
+        loss=lambda logits, batch: lm_loss(logits, batch[:, 1:]),
+        optimizer=optax.adam(1e-3),
+        seed=seed,
+        checkpoint=checkpoint,
+        steps=steps,
+        gemm_sites=gemm_sites,
+        protect_attention=not gemm_sites,  # the GEMM sites include attention's own
+    )
+
+
+def reference_task_gemms() -> ReplayTask:
+    """The built-in task with every GEMM an injection point:
+    ``--task sdcguard.replay:reference_task_gemms``."""
+    return reference_task(gemm_sites=True)
+
+
+def load_task(
+    spec: str = DEFAULT_TASK,
+    *,
+    steps: int | None = None,
+    seed: int | None = None,
+    checkpoint: str | None = None,
+) -> ReplayTask:
+    """Loads the task named ``module:function`` and applies command-line overrides.
+
+    Raises:
+      TaskError: malformed name, module or function not found, or it returns no ReplayTask.
+    """
+    if not _TASK_SPEC.match(spec):
+        raise TaskError(f"task must be named 'module:function' (e.g. {DEFAULT_TASK}), got {spec!r}")
+    module_name, function_name = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise TaskError(f"cannot import the task module {module_name!r}: {e}") from None
+    except Exception as e:  # the module's own code failed while importing
+        raise TaskError(
+            f"importing the task module {module_name!r} raised {_one_line(e)}"
+        ) from None
+    fn = getattr(module, function_name, None)
+    if not callable(fn):
+        raise TaskError(f"module {module_name!r} has no function {function_name!r}")
+    try:
+        task = fn()
+    except Exception as e:  # the user's code: any failure means "no task", said in one line
+        raise TaskError(f"the task function {spec} raised {_one_line(e)}") from None
+    if not isinstance(task, ReplayTask):
+        raise TaskError(f"{spec} returned {type(task).__name__}, expected a ReplayTask")
+    overrides = {
+        k: v
+        for k, v in (("steps", steps), ("seed", seed), ("checkpoint", checkpoint))
+        if v is not None
+    }
+    if "checkpoint" in overrides:
+        check_checkpoint_dir(overrides["checkpoint"])
+    return dataclasses.replace(task, **overrides) if overrides else task
+
+
+def _one_line(e: BaseException) -> str:
+    """``Type: first line of the message`` of an exception."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__

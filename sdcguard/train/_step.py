@@ -1,0 +1,245 @@
+"""Protected training in one object: checked gradients, the update guard, sampled checking.
+
+:func:`protected_step` takes a loss function and an Optax optimizer and returns a
+:class:`ProtectedStep`: ``init(params)`` builds a :class:`sdcguard.TrainState` whose optimizer
+is wrapped by :func:`sdcguard.refuse_corrupted`; ``step`` computes the loss and its gradients
+with every GEMM checked by :func:`sdcguard.checked` and feeds the unsafe count to the guard;
+calling the object runs ``step`` or the unchecked ``plain_step`` by the sampling schedule, each
+compiled once. How to use it: docs/training.md.
+
+Example:
+  >>> protected = protected_step(loss_fn, optax.adamw(1e-3))
+  >>> state = protected.init(params)
+  >>> state, out = protected(state, batch)
+  >>> out.loss, out.counts, out.reasons
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from sdcguard.fault_model import FaultPlan, faults
+from sdcguard.guard import GuardConfig, reason_names, refuse_corrupted
+from sdcguard.protection import ABFTConfig, checked, total, unsafe_checks
+from sdcguard.recovery import TrainState
+from sdcguard.train import _inputs as inputs
+from sdcguard.train._schedule import checks_at
+
+
+class StepOutput(NamedTuple):
+    """What one protected step reports, with no host sync (every field a device array).
+
+    Attributes:
+      loss: float32 ``[]``, the loss at the parameters before the update.
+      aux: ``loss_fn``'s auxiliary output (``has_aux=True``), else None.
+      report: ``{site: int32 [4]}`` ``[detected, corrected, uncorrectable, nonfinite_input]`` per
+        checked GEMM site; ``{}`` on a step that was not checked.
+      counts: int32 ``[4]``, ``report`` summed over its sites.
+      checked: bool ``[]``, whether this step's GEMMs were checked.
+      reason: int32 ``[]``, the guard's reason mask (:class:`sdcguard.Reason`); 0: accepted.
+      rollback_needed: bool ``[]``, the guard asks for a rollback
+        (:func:`sdcguard.train_with_recovery` answers it).
+    """
+
+    loss: jax.Array
+    aux: Any
+    report: dict[str, jax.Array]
+    counts: jax.Array
+    checked: jax.Array
+    reason: jax.Array
+    rollback_needed: jax.Array
+
+    @property
+    def accepted(self) -> jax.Array:
+        """bool ``[]``: the guard accepted the update (works under ``jit``)."""
+        return self.reason == 0
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        """The names of the checks that refused the update, on the host (``()``: accepted)."""
+        return reason_names(jax.device_get(self.reason))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProtectedStep:
+    """A training step whose GEMMs are checked and whose updates pass the guard.
+
+    Build it with :func:`protected_step`. ``step`` and ``plain_step`` are pure functions of
+    ``(state, batch, plan=None)`` returning ``(state, StepOutput)``, for your own ``jit``,
+    ``shard_map`` or scan; calling the object runs the compiled one the schedule picks.
+
+    Attributes:
+      loss_fn, optimizer, abft, guard, has_aux, every, seed: as given to
+        :func:`protected_step`.
+      tx: the guarded optimizer, ``refuse_corrupted(optimizer, config=guard)``.
+      checked_program, plain_program: ``jax.jit`` of ``step`` and ``plain_step`` (what calling
+        the object runs; each compiles once per argument structure).
+    """
+
+    loss_fn: Callable
+    optimizer: Any
+    abft: ABFTConfig
+    guard: GuardConfig
+    has_aux: bool
+    every: int
+    seed: int
+    tx: optax.GradientTransformationExtraArgs = dataclasses.field(init=False)
+    checked_program: Callable = dataclasses.field(init=False)
+    plain_program: Callable = dataclasses.field(init=False)
+    _last: list = dataclasses.field(init=False, default_factory=list)
+
+    def __post_init__(self):
+        # Derived fields of a frozen dataclass.
+        object.__setattr__(self, "tx", refuse_corrupted(self.optimizer, config=self.guard))
+        object.__setattr__(self, "checked_program", jax.jit(self.step))
+        object.__setattr__(self, "plain_program", jax.jit(self.plain_step))
+
+    def init(self, params, rng: jax.Array | None = None) -> TrainState:
+        """The train state at step 0: ``params``, the guarded optimizer's state, and ``rng``.
+
+        Args:
+          params: the parameters to train (floating-point arrays; fp32 with bf16/fp16 compute
+            is the usual mixed precision).
+          rng: a PRNG key carried in the state (default ``jax.random.key(seed)``); the step
+            does not use it.
+
+        Raises:
+          TypeError: a parameter is not a floating-point array.
+          ValueError: the optimizer was already wrapped by ``refuse_corrupted``.
+        """
+        inputs.check_params(params, self.optimizer)
+        rng = jax.random.key(self.seed) if rng is None else rng
+        return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), rng)
+
+    def checks_at(self, step: int) -> bool:
+        """Whether calling the object at ``step`` runs the checked program (host ints only)."""
+        return checks_at(step, every=self.every, seed=self.seed)
+
+    def step(self, state: TrainState, batch, plan: FaultPlan | None = None):
+        """One step with every GEMM of the loss and its gradients checked (jittable).
+
+        Args:
+          state: a :class:`sdcguard.TrainState` from :meth:`init` or a previous step.
+          batch: ``loss_fn``'s second argument (any pytree).
+          plan: faults to inject (:class:`sdcguard.FaultPlan`, at ``state.step``); None: none.
+
+        Returns:
+          ``(new state, StepOutput)``; a refused update leaves ``params`` and ``opt_state``'s
+          inner state bit for bit (``state.step`` counts every step).
+        """
+        return self._run(state, batch, plan, self.abft)
+
+    def plain_step(self, state: TrainState, batch, plan: FaultPlan | None = None):
+        """The same step with no GEMM checked; the guard still runs (jittable).
+
+        With a ``plan``, faults are injected at the same GEMM sites as in :meth:`step` and go
+        unchecked (what a campaign of sampled checking measures).
+        """
+        if plan is None:
+            return self._run(state, batch, None, None)
+        return self._run(state, batch, plan, dataclasses.replace(self.abft, include=()))
+
+    def __call__(self, state: TrainState, batch, plan: FaultPlan | None = None):
+        """Runs :attr:`checked_program` or :attr:`plain_program`, as :meth:`checks_at` says.
+
+        The step number is read from ``state.step`` only when ``state`` did not come from the
+        previous call (a restored state): the loop does not wait for the device.
+        """
+        step = self._host_step(state)
+        program = self.checked_program if self.checks_at(step) else self.plain_program
+        new_state, out = program(state, batch, plan)
+        self._last[:] = [new_state.step, step + 1]
+        return new_state, out
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _host_step(self, state) -> int:
+        if self._last and state.step is self._last[0]:
+            return self._last[1]
+        return int(state.step)
+
+    def _loss(self, params, batch):
+        loss, aux = inputs.split_loss(self.loss_fn(params, batch), self.has_aux, self.loss_fn)
+        return loss.astype(jnp.float32), aux
+
+    def _run(self, state, batch, plan, abft: ABFTConfig | None):
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        if abft is None:
+            ((loss, aux), grads), report = grad_fn(state.params, batch), {}
+        else:
+            with faults(None if plan is None else plan.at_step(state.step)):
+                ((loss, aux), grads), report = checked(grad_fn, abft)(state.params, batch)
+        counts = total(report)
+        updates, opt_state = self.tx.update(
+            grads,
+            state.opt_state,
+            state.params,
+            loss=loss,
+            abft_uncorrectable=unsafe_checks(counts),
+        )
+        params = optax.apply_updates(state.params, updates)
+        new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state)
+        out = StepOutput(
+            loss=loss,
+            aux=aux,
+            report=report,
+            counts=counts,
+            checked=jnp.asarray(abft is not None and abft.include != ()),
+            reason=opt_state.reason,
+            rollback_needed=opt_state.rollback_needed,
+        )
+        return new_state, out
+
+
+def protected_step(
+    loss_fn: Callable,
+    optimizer,
+    *,
+    abft: ABFTConfig | None = None,
+    guard: GuardConfig | None = None,
+    has_aux: bool = False,
+    every: int = 1,
+    seed: int = 0,
+) -> ProtectedStep:
+    """A protected training step for ``loss_fn`` and ``optimizer``.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> loss`` (a scalar), or ``-> (loss, aux)`` with
+        ``has_aux=True``. Compute in bf16/fp16 inside it if you like; parameters keep their
+        dtype, and the loss is reported as float32.
+      optimizer: any Optax transformation, not yet wrapped by :func:`sdcguard.refuse_corrupted`
+        (the step wraps it).
+      abft: which GEMMs :func:`sdcguard.checked` checks and how (default ``ABFTConfig()``:
+        every one, errors corrected in place).
+      guard: the update guard's checks (default ``GuardConfig()``).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``.
+      every: check the GEMMs on one step in each window of ``every`` steps, at a random
+        position drawn from ``seed`` (1: every step); the guard runs on every step.
+      seed: the sampling schedule's seed, and the default ``rng`` of :meth:`ProtectedStep.init`.
+
+    Returns:
+      A :class:`ProtectedStep`: ``init(params)``, then ``state, out = protected(state, batch)``.
+
+    Raises:
+      TypeError: ``optimizer`` is not an Optax transformation, or ``loss_fn`` is not callable.
+      ValueError: ``every`` is not an int >= 1, or ``abft`` sets a field only the Flax drop-in
+        layers read.
+
+    Example:
+      >>> protected = protected_step(loss_fn, optax.adamw(1e-3), every=4)
+      >>> state = protected.init(params)
+      >>> for batch in data:
+      ...     state, out = protected(state, batch)
+    """
+    inputs.check_loss_fn(loss_fn)
+    inputs.check_optimizer(optimizer)
+    inputs.check_schedule(every, seed)
+    abft = (ABFTConfig() if abft is None else abft).validate_for_checked()
+    guard = GuardConfig() if guard is None else guard
+    return ProtectedStep(loss_fn, optimizer, abft, guard, has_aux, every, seed)

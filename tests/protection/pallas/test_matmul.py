@@ -1,0 +1,431 @@
+"""The checked Hopper GEMM (Mosaic GPU) against the XLA path of the checks.
+
+Three layers, fastest first:
+
+* the kernel's per-tile arithmetic (``emulate=True``: :func:`matmul_mgpu.reference_kernel`,
+  the epilogue of the kernel as plain jnp on an XLA product) against ``jnp.einsum`` and
+  :func:`checked_matmul_reference`: values, counters, fault plans, magnitudes, dtypes;
+* the kernel itself lowered for sm_90a from this machine (Pallas -> Mosaic GPU -> layout
+  inference -> NVVM-level MLIR, verified), checked and unchecked, with a fault plan;
+* the kernel in Mosaic GPU's interpret mode on the CPU (slow; in a subprocess with an XLA:CPU
+  pool the interpreter can finish with) against the emulation, the XLA path and ``jnp.dot``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sdcguard import protection as abft
+from sdcguard.fault_model import Fault, FaultPlan
+from sdcguard.protection import Contraction
+from sdcguard.protection.pallas import _platform, _tiles, matmul, matmul_mgpu, verify
+from sdcguard.protection.pallas.matmul_mgpu import BlockSizes
+
+from tests.helpers.tolerances import TOLERANCES
+
+ROOT = str(Path(__file__).resolve().parents[3])
+SMALL = BlockSizes(tile_m=64, tile_n=64, max_concurrent_steps=2)
+SITE = "test/gemm:out"
+# batch, M, K, N: two CTA tiles of rows, three column tiles (the last one padded), and K
+# over two panels (the last one padded).
+SHAPE = (2, 128, 100, 160)
+DTYPES = [jnp.bfloat16, jnp.float16]
+
+
+def _operands(dtype, shape=SHAPE, scale_a=1.0, scale_b=1.0, seed=0):
+    batch, m, k, n = shape
+    ka, kb = jax.random.split(jax.random.key(seed))
+    a = jax.random.normal(ka, (batch, m, k), jnp.float32) * scale_a
+    b = jax.random.normal(kb, (batch, k, n), jnp.float32) * scale_b
+    return a.astype(dtype), b.astype(dtype)
+
+
+def _clean(a, b, dtype):
+    return jnp.einsum("bmk,bkn->bmn", a, b, preferred_element_type=jnp.float32).astype(dtype)
+
+
+def _assert_close(actual, expected, dtype):
+    rtol, atol = TOLERANCES[jnp.dtype(dtype)]
+    x, y = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    np.testing.assert_allclose(x, y, rtol=rtol, atol=atol * max(1.0, float(np.max(np.abs(y)))))
+
+
+@jax.jit
+def _emulated(a, b, plan):
+    return matmul.checked_matmul(a, b, plan=plan, site=SITE, block_sizes=SMALL, emulate=True)
+
+
+def _plan(*faults):
+    return FaultPlan.from_faults(list(faults), capacity=len(faults))
+
+
+def test_block_sizes_are_validated():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        BlockSizes(tile_m=96)
+    with pytest.raises(ValueError, match="tile_k"):
+        BlockSizes(tile_k=32)
+    with pytest.raises(ValueError, match="max_concurrent_steps"):
+        BlockSizes(max_concurrent_steps=1)
+    with pytest.raises(ValueError, match=r"\[B, M, K\]"):
+        matmul.checked_matmul(jnp.ones((2, 3, 4)), jnp.ones((2, 5, 4)))
+
+
+def test_split_checksum_is_float32_exact():
+    """hi + mid + lo of the split column sums rebuild them to float32 accuracy (u³)."""
+    for dtype in DTYPES:
+        x = jax.random.uniform(jax.random.key(1), (4096,), minval=-1, maxval=1)
+        parts = jnp.stack(_tiles.split3(x, dtype), axis=-1).astype(jnp.float32)
+        err = np.abs(np.asarray(parts.sum(-1) - x))
+        relative, absolute = matmul_mgpu.representation_error(dtype)
+        assert np.all(err <= 2**-23 * np.abs(np.asarray(x)) + 3 * absolute + 1e-30)
+        assert relative <= 2**-24
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clean_runs_never_alarm_across_magnitudes(dtype):
+    """Operands from tiny to huge (as far as the dtype's range keeps C finite): no alarm, and
+    C is the XLA product rounded once."""
+    if dtype == jnp.bfloat16:
+        scales = [(1e-30, 1e-5), (1.0, 1.0), (1e19, 1e15), (1e-20, 1e18)]
+    else:
+        scales = [(1e-2, 1e-1), (1.0, 1.0), (10.0, 20.0), (1e-1, 30.0)]
+    for i, (sa, sb) in enumerate(scales):
+        a, b = _operands(dtype, scale_a=sa, scale_b=sb, seed=i)
+        c, counts = _emulated(a, b, None)
+        assert counts.tolist() == [0, 0, 0, 0], (sa, sb)
+        _assert_close(c, _clean(a, b, dtype), dtype)
+
+
+# (kind, batch, row, col, bit): corners and edges of the 64x64 tiles, several tiles at once.
+FAULTS = [
+    ("inf", 0, 0, 0, 0),  # first corner of the matrix
+    ("nan", 0, 63, 64, 0),  # bottom-left corner of a tile
+    ("near_inf", 0, 64, 127, 0),  # top-right corner of another tile
+    ("-inf", 1, 127, 159, 0),  # the last element (padded tile)
+    ("bitflip", 1, 5, 70, None),  # the exponent's most significant bit
+    ("bitflip", 1, 100, 3, None),
+]
+
+
+def _exponent_msb(dtype) -> int:
+    return {jnp.bfloat16: 14, jnp.float16: 14}[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_faults_in_several_tiles_are_corrected_exactly(dtype):
+    a, b = _operands(dtype)
+    n = SHAPE[3]
+    faults = []
+    for kind, bi, row, col, bit in FAULTS:
+        flat = (bi * SHAPE[1] + row) * n + col
+        bit = _exponent_msb(dtype) if bit is None else bit
+        faults.append(Fault(site=SITE, kind=kind, index=flat, bit=bit))
+    clean = _clean(a, b, dtype)
+    c, counts = _emulated(a, b, _plan(*faults))
+    # One fault per tile: each tile detected and corrected.
+    assert counts.tolist() == [len(FAULTS), len(FAULTS), 0, 0]
+    # Corrected elements are recomputed, not rebuilt from checksums: equal to the clean C.
+    _assert_close(c, clean, dtype)
+    for _, bi, row, col, _ in FAULTS:
+        np.testing.assert_allclose(
+            float(c[bi, row, col]), float(clean[bi, row, col]), rtol=2 ** -jnp.finfo(dtype).nmant
+        )
+    # The XLA path fixes one error per matrix in place; with several per matrix it counts each
+    # matrix detected and uncorrectable (for the step-level decision) and passes nothing on as
+    # corrected. The kernel, checking per tile, corrects them all.
+    _, ref_counts = matmul.checked_matmul_reference(a, b, plan=_plan(*faults), site=SITE)
+    assert ref_counts.tolist() == [SHAPE[0], 0, SHAPE[0], 0]
+
+
+def test_two_errors_in_one_row_are_uncorrectable():
+    dtype = jnp.bfloat16
+    a, b = _operands(dtype)
+    n = SHAPE[3]
+    two = [Fault(site=SITE, kind="inf", index=5 * n + col) for col in (2, 9)]
+    other = Fault(site=SITE, kind="nan", index=(SHAPE[1] + 7) * n + 100)
+    c, counts = _emulated(a, b, _plan(*two, other))
+    assert counts.tolist() == [2, 1, 1, 0]
+    assert not np.isfinite(np.asarray(c[0, 5, 2], np.float32))  # left for the step decision
+
+
+def test_detect_only_counts_and_leaves_c():
+    dtype = jnp.bfloat16
+    a, b = _operands(dtype)
+    plan = _plan(Fault(site=SITE, kind="inf", index=17))
+    c, counts = matmul.checked_matmul(
+        a, b, plan=plan, site=SITE, correct=False, block_sizes=SMALL, emulate=True
+    )
+    assert counts.tolist() == [1, 0, 1, 0]
+    assert np.isinf(np.asarray(c, np.float32).reshape(-1)[17])
+
+
+def test_located_beyond_capacity_counts_uncorrectable():
+    dtype = jnp.float16
+    a, b = _operands(dtype)
+    n = SHAPE[3]
+    faults = [Fault(site=SITE, kind="inf", index=row * n) for row in (0, 64)]  # two tiles
+    _, counts = matmul.checked_matmul(
+        a, b, plan=_plan(*faults), site=SITE, max_recomputed=1, block_sizes=SMALL, emulate=True
+    )
+    assert counts.tolist() == [2, 1, 1, 0]
+
+
+def test_nonfinite_inputs_are_their_own_outcome():
+    dtype = jnp.bfloat16
+    a, b = _operands(dtype)
+    a = a.at[0, 10, 3].set(jnp.inf)
+    c, counts = _emulated(a, b, None)
+    # Row 10 of matrix 0 is non-finite in all three column tiles: three tiles, inputs to blame.
+    assert counts.tolist() == [3, 0, 0, 3]
+    assert not np.all(np.isfinite(np.asarray(c[0, 10], np.float32)))
+
+
+def test_float32_takes_the_xla_path():
+    a, b = _operands(jnp.float32)
+    plan = _plan(Fault(site=SITE, kind="nan", index=33))
+    c, counts = matmul.checked_matmul(a, b, plan=plan, site=SITE)
+    ref, ref_counts = matmul.checked_matmul_reference(a, b, plan=plan, site=SITE)
+    np.testing.assert_array_equal(np.asarray(c), np.asarray(ref))
+    assert counts.tolist() == ref_counts.tolist() == [1, 1, 0, 0]
+    assert not matmul.uses_kernel(jnp.float32, jnp.float32)
+    assert matmul.uses_kernel(jnp.bfloat16, jnp.bfloat16)
+
+
+def test_checked_contraction_matches_the_xla_path():
+    """Any pure contraction through the kernel's layout: the fault lands where the XLA path
+    puts it, and both correct it."""
+    dtype = jnp.bfloat16
+    ka, kb = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(ka, (2, 64, 2, 32)).astype(dtype)  # [batch, seq, heads, dim]
+    w = jax.random.normal(kb, (2, 32, 96)).astype(dtype)  # [heads, dim, features]
+    spec = "bshd,hdf->bsf"
+    ct = Contraction.parse(spec, x.ndim, w.ndim)
+    plan = _plan(Fault(site=SITE, kind="inf", index=1234))
+    config = abft.ABFTConfig()
+    c, counts = matmul.checked_contraction(
+        x, w, ct, config=config, site=SITE, plan=plan, block_sizes=SMALL, emulate=True
+    )
+    ref, ref_counts = abft.checked_einsum(spec, x, w, site=SITE, plan=plan)
+    assert counts.tolist() == ref_counts.tolist() == [1, 1, 0, 0]
+    _assert_close(c, ref, dtype)
+
+
+def test_recompute_and_count_is_branch_free():
+    """The host side after the kernel compiles to no loop or conditional."""
+    a, b = _operands(jnp.bfloat16)
+    c = jnp.zeros((2, 128, 192), jnp.bfloat16)
+    status = jnp.zeros((2, 3, 2, 128), jnp.float32)
+    hlo = (
+        jax.jit(
+            lambda a, b, c, s: verify.recompute_and_count(
+                a, b, c, s, max_recomputed=4, tile_m=64, tile_n=64
+            )
+        )
+        .lower(a, b, c, status)
+        .compile()
+        .as_text()
+    )
+    assert " while(" not in hlo and " conditional(" not in hlo
+
+
+# --- The kernel itself -------------------------------------------------------------------------
+
+
+def _lower_for_h100(check: bool, plan):
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+    a = jax.ShapeDtypeStruct((2, 512, 320), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((2, 320, 384), jnp.bfloat16)
+
+    def f(a, b, plan):
+        return matmul.checked_matmul(a, b, check=check, plan=plan, site=SITE, interpret=False)
+
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=device)):
+        return jax.jit(f).trace(a, b, plan).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+def test_kernel_lowers_for_sm90a(check):
+    """Pallas -> Mosaic GPU dialect -> layout inference for sm_90 -> lowered MLIR that
+    verifies, within Hopper's shared memory: the WGMMAs (the narrow one included), TMA
+    pipeline and epilogue are all accepted. PTX and SASS are produced on the GPU only."""
+    text = _lower_for_h100(check, _plan(Fault(site=SITE, kind="inf", index=5)))
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
+    assert len(calls) == 1
+    assert ("checked_matmul" if check else "matmul") in text
+
+
+def test_kernel_with_too_much_shared_memory_is_refused():
+    too_deep = BlockSizes(tile_m=128, tile_n=256, max_concurrent_steps=6)
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+    a = jax.ShapeDtypeStruct((1, 256, 256), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((1, 256, 256), jnp.bfloat16)
+    f = lambda a, b: matmul.checked_matmul(a, b, block_sizes=too_deep, interpret=False)
+    mesh = AbstractMesh((), (), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh), pytest.raises(Exception, match="shared memory"):
+        jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",))
+
+
+# The kernel in GPU interpret mode runs in a subprocess: the interpreter needs an XLA:CPU pool of
+# at least `_platform.INTERPRETER_POOL_THREADS` threads, sized from PJRT_NPROC when JAX starts (this
+# machine may have fewer CPUs), and a hang must fail the test rather than stall the suite.
+_INTERPRET_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import jax.numpy as jnp, numpy as np
+    from sdcguard.fault_model import Fault, FaultPlan
+    from sdcguard.protection.pallas import matmul
+    from sdcguard.protection.pallas.matmul_mgpu import BlockSizes
+    spec = json.loads(sys.argv[1])
+    operands = np.load(sys.argv[2])
+    block_sizes = BlockSizes(**spec["block_sizes"])
+    faults = [Fault(**f) for f in spec["faults"]]
+    plan = FaultPlan.from_faults(faults, capacity=len(faults))
+    results = {}
+    for name in spec["dtypes"]:
+        a = jnp.asarray(operands[name + "/a"]).astype(name)
+        b = jnp.asarray(operands[name + "/b"]).astype(name)
+        run = lambda **kw: matmul.checked_matmul(
+            a, b, site=spec["site"], block_sizes=block_sizes, interpret=True, **kw)
+        c, counts = run(plan=plan)
+        plain, _ = run(check=False)
+        results[name + "/c"] = np.asarray(c, np.float32)
+        results[name + "/counts"] = np.asarray(counts)
+        results[name + "/unchecked"] = np.asarray(plain, np.float32)
+    np.savez(sys.argv[3], **results)
+    print("interpret ok")
+    """
+)
+# (kind, batch, row, col): a fault at a tile corner (the top-right one of the tile at rows
+# 64-127, columns 64-127 of matrix 0) and one on a tile edge (the bottom edge of the padded
+# last column tile of matrix 1); one per matrix, so the XLA path corrects both too.
+INTERPRET_FAULTS = [("bitflip", 0, 64, 127), ("near_inf", 1, 127, 150)]
+INTERPRET_LIMIT_S = 240
+
+
+@pytest.mark.slow
+def test_kernel_in_gpu_interpret_mode_matches_the_xla_path_and_the_emulation(tmp_path):
+    """The kernel itself, interpreted on the CPU (Mosaic GPU interpret mode; its persistent loop
+    over 2 programs with 3 tiles each, two K panels, padding), checked and unchecked, for both
+    dtypes: counters equal the emulation's and the XLA path's, values equal the emulation's and
+    ``jnp.dot``'s, and the corrupted elements are corrected to the clean ones."""
+    n = SHAPE[3]
+    faults = [
+        Fault(site=SITE, kind=kind, index=(bi * SHAPE[1] + row) * n + col, bit=14)
+        for kind, bi, row, col in INTERPRET_FAULTS
+    ]
+    names = [jnp.dtype(d).name for d in DTYPES]
+    operands = {}
+    for dtype, name in zip(DTYPES, names, strict=True):
+        a, b = _operands(dtype)
+        operands[name + "/a"] = np.asarray(a, np.float32)  # exact: bf16/fp16 fit in float32
+        operands[name + "/b"] = np.asarray(b, np.float32)
+    np.savez(tmp_path / "operands.npz", **operands)
+    spec = {
+        "dtypes": names,
+        "site": SITE,
+        "block_sizes": {"tile_m": SMALL.tile_m, "tile_n": SMALL.tile_n, "max_concurrent_steps": 2},
+        "faults": [
+            {"site": f.site, "kind": f.kind, "index": f.index, "bit": f.bit} for f in faults
+        ],
+    }
+    env = {**os.environ, "PJRT_NPROC": str(_platform.INTERPRETER_POOL_THREADS), "PYTHONPATH": ROOT}
+    args = [json.dumps(spec), str(tmp_path / "operands.npz"), str(tmp_path / "kernel.npz")]
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _INTERPRET_SCRIPT, *args],
+            capture_output=True,
+            text=True,
+            timeout=INTERPRET_LIMIT_S,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the kernel did not finish in GPU interpret mode in {INTERPRET_LIMIT_S} s")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "interpret ok" in done.stdout
+    kernel = np.load(tmp_path / "kernel.npz")
+    plan = _plan(*faults)
+    for dtype, name in zip(DTYPES, names, strict=True):
+        a, b = _operands(dtype)
+        clean = _clean(a, b, dtype)
+        emulated, emulated_counts = _emulated(a, b, plan)
+        _, xla_counts = matmul.checked_matmul_reference(a, b, plan=plan, site=SITE)
+        counts = kernel[name + "/counts"].tolist()
+        assert counts == emulated_counts.tolist() == xla_counts.tolist() == [2, 2, 0, 0], name
+        _assert_close(kernel[name + "/c"], emulated, dtype)
+        _assert_close(kernel[name + "/c"], clean, dtype)
+        for _, bi, row, col in INTERPRET_FAULTS:
+            np.testing.assert_allclose(
+                kernel[name + "/c"][bi, row, col],
+                float(clean[bi, row, col]),
+                rtol=2 ** -jnp.finfo(dtype).nmant,
+                err_msg=f"{name}: element {(bi, row, col)} not corrected",
+            )
+        _assert_close(kernel[name + "/unchecked"], clean, dtype)
+
+
+def test_interpret_mode_refuses_a_pool_that_would_deadlock(monkeypatch):
+    """With fewer XLA:CPU pool threads than the interpreter's threads need, interpret mode
+    raises and says what to set, instead of hanging."""
+    monkeypatch.setenv("PJRT_NPROC", "2")
+    assert _platform.xla_cpu_pool_threads() == 2
+    a, b = _operands(jnp.bfloat16, shape=(1, 128, 64, 64))
+    with pytest.raises(RuntimeError, match="PJRT_NPROC=4"):
+        matmul.checked_matmul(a, b, block_sizes=SMALL, interpret=True)
+    monkeypatch.setenv("PJRT_NPROC", "not a number")
+    monkeypatch.setenv("NPROC", "6")
+    assert _platform.xla_cpu_pool_threads() == 6
+
+
+def test_gpu_bench_script_says_no_gpu_and_exits_0():
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_gpu_kernels.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "no GPU found" in done.stdout
+
+
+def test_gpu_bench_times_cases_interleaved():
+    """The timing harness of the GPU bench on tiny CPU cases: a row per variant, the baseline's
+    ratio 1, and the table prints."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "scripts" / "bench_gpu_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu_kernels", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    x = jnp.ones((64, 64))
+    case = bench.Case(
+        name="tiny",
+        baseline="dot",
+        variants={"dot": lambda: jnp.dot(x, x), "twice": lambda: jnp.dot(jnp.dot(x, x), x)},
+        flops=2.0 * 64**3,
+    )
+    rows = bench.run_cases([case], rounds=3, inner=2, device="cpu", start=time.perf_counter())
+    assert [r["variant"] for r in rows] == ["dot", "twice"]
+    assert rows[0]["ratio"] == 1.0 and rows[1]["ms"] > 0
+    bench.print_table(rows, "cpu")

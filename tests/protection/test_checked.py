@@ -1,0 +1,293 @@
+"""``sdcguard.checked``: every GEMM of a whole training step, whatever wrote the model.
+
+Each model is trained for one step by its own plain step function; the same function under
+``checked`` must give the same loss and parameters (clean), and an INF injected at an MLP
+forward GEMM, an MLP backward GEMM and an attention GEMM must be detected and corrected.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sdcguard
+from sdcguard.fault_model import Fault, FaultPlan
+from sdcguard.protection import list_sites, total
+
+# Parity of a checked step with the plain one. The checked GEMM is the same dot_general on the
+# same operands, but its output passes a repair loop, which XLA may not fuse across: float32
+# round-off of the fused neighbours (a few ulps of the step's values), nothing more.
+PARITY_RTOL, PARITY_ATOL = 1e-5, 1e-6
+
+
+# Arrays are traced, everything else (an Equinox module's static fields) is static.
+jit = eqx.filter_jit
+
+
+def assert_tree_close(a, b):
+    a, b = eqx.filter((a, b), eqx.is_array)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=PARITY_RTOL, atol=PARITY_ATOL)
+
+
+# --- A linen LM written the way Flax's examples write one -------------------------------------
+
+
+class MlpBlock(nn.Module):
+    mlp_dim: int
+
+    @nn.compact
+    def __call__(self, x):
+        d = x.shape[-1]
+        kernel = nn.with_logical_partitioning(nn.initializers.xavier_uniform(), ("embed", "mlp"))
+        h = nn.Dense(self.mlp_dim, kernel_init=kernel, name="wi")(x)
+        h = nn.gelu(h)
+        kernel = nn.with_logical_partitioning(nn.initializers.xavier_uniform(), ("mlp", "embed"))
+        return nn.Dense(d, kernel_init=kernel, name="wo")(h)
+
+
+class EncoderDecoderBlock(nn.Module):
+    heads: int
+    mlp_dim: int
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.LayerNorm()(x)
+        y = nn.SelfAttention(num_heads=self.heads, deterministic=True, name="attn")(
+            y, mask=nn.make_causal_mask(jnp.ones(x.shape[:2]))
+        )
+        x = x + y
+        return x + MlpBlock(self.mlp_dim, name="mlp")(nn.LayerNorm()(x))
+
+
+class TransformerLM(nn.Module):
+    vocab: int = 32
+    d: int = 16
+    heads: int = 2
+    mlp_dim: int = 32
+    layers: int = 2
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.d, name="embed")(tokens)
+        for i in range(self.layers):
+            x = EncoderDecoderBlock(self.heads, self.mlp_dim, name=f"block_{i}")(x)
+        x = nn.LayerNorm()(x)
+        return nn.DenseGeneral(self.vocab, name="head")(x)
+
+
+def linen_case():
+    model = TransformerLM()
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 32)
+    params = nn.unbox(model.init(jax.random.key(1), tokens[:, :-1]))["params"]
+    # SGD: Adam's first step moves every parameter by about lr·sign(g), which turns the
+    # round-off noise of gradients that are exactly zero in theory (the key bias under a
+    # softmax) into lr-sized differences between two equally valid runs.
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, tokens):
+        def loss_fn(p):
+            logits = model.apply({"params": p}, tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    args = (params, tx.init(params), tokens)
+    sites = {
+        "mlp_forward": "block_0/mlp/wi:dot_general",
+        "mlp_backward": "block_1/mlp/wo:dot_general.grad_lhs",
+        "attention": "block_0/attn:scores",
+    }
+    return step, args, sites
+
+
+# --- An Equinox transformer built from equinox.nn ---------------------------------------------
+
+
+class EqxBlock(eqx.Module):
+    attn: eqx.nn.MultiheadAttention
+    mlp_in: eqx.nn.Linear
+    mlp_out: eqx.nn.Linear
+    norm: eqx.nn.LayerNorm
+
+    def __init__(self, d, heads, mlp_dim, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.attn = eqx.nn.MultiheadAttention(heads, d, key=k1)
+        self.mlp_in = eqx.nn.Linear(d, mlp_dim, key=k2)
+        self.mlp_out = eqx.nn.Linear(mlp_dim, d, key=k3)
+        self.norm = eqx.nn.LayerNorm(d)
+
+    def __call__(self, x):
+        y = jax.vmap(self.norm)(x)
+        x = x + self.attn(y, y, y)
+        h = jax.vmap(self.mlp_in)(jax.vmap(self.norm)(x))
+        return x + jax.vmap(self.mlp_out)(jax.nn.relu(h))
+
+
+class EqxLM(eqx.Module):
+    embed: eqx.nn.Embedding
+    blocks: list
+    head: eqx.nn.Linear
+
+    def __init__(self, key, vocab=32, d=16, heads=2, mlp_dim=32, layers=2):
+        keys = jax.random.split(key, layers + 2)
+        self.embed = eqx.nn.Embedding(vocab, d, key=keys[0])
+        self.blocks = [EqxBlock(d, heads, mlp_dim, k) for k in keys[1:-1]]
+        self.head = eqx.nn.Linear(d, vocab, key=keys[-1])
+
+    def __call__(self, tokens):
+        x = jax.vmap(self.embed)(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return jax.vmap(self.head)(x)
+
+
+def equinox_case():
+    model = EqxLM(jax.random.key(2))
+    tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, 32)
+
+    def step(model, tokens):
+        def loss_fn(m):
+            logits = jax.vmap(m)(tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+        return eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, grads)), loss
+
+    sites = {
+        "mlp_forward": "blocks[0].mlp_in:dot_general",
+        "mlp_backward": "blocks[1].mlp_in:dot_general.grad_rhs",
+        "attention": "blocks[0].attn:context",
+    }
+    return step, (model, tokens), sites
+
+
+# --- The reference models and a plain-JAX function --------------------------------------------
+
+
+def reference_case(kind):
+    from sdcguard import training
+    from sdcguard.models import GPTConfig, init_params
+
+    config = training.TrainConfig(
+        model=GPTConfig(seq_len=8, num_layers=2, num_heads=2, d_model=16),
+        model_kind=kind,
+        batch_size=2,
+        abft=None,
+    )
+    model = training.build_model(config)
+    objective = training.objective(config)
+    params = init_params(model, seed=0)
+    batch = jax.random.randint(jax.random.key(5), (2, 9), 0, 256)
+    tx = optax.sgd(0.1)  # see linen_case
+
+    def step(params, opt_state, batch):
+        def loss_fn(p):
+            return objective(lambda t: model.apply({"params": p}, t), batch, 0)
+
+        value, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    stack = training.STACK_NAMES[kind]
+    args = (params, tx.init(params), batch)
+    sites = {
+        "mlp_forward": f"{stack}/block_0/mlp/fc_in:dot_general",
+        "mlp_backward": f"{stack}/block_0/mlp/fc_out:dot_general.grad_lhs",
+        "attention": f"{stack}/block_1/attn:scores",
+    }
+    return step, args, sites
+
+
+def plain_case():
+    def mlp(params, x):
+        for w in params:
+            x = jnp.tanh(x @ w)
+        return x
+
+    def step(params, x, y):
+        def loss_fn(p):
+            return jnp.mean((mlp(p, x) - y) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return [p - 0.1 * g for p, g in zip(params, grads, strict=True)], loss
+
+    keys = jax.random.split(jax.random.key(4), 4)
+    params = [jax.random.normal(k, (8, 8)) / 3 for k in keys[:2]]
+    x, y = jax.random.normal(keys[2], (4, 8)), jax.random.normal(keys[3], (4, 8))
+    sites = {
+        "mlp_forward": "loss_fn/mlp:dot_general",
+        "mlp_backward": "loss_fn/mlp:dot_general.grad_rhs",
+        # No attention here: a third site, the second layer's input gradient (the first layer's
+        # input is data, so it has no .grad_lhs).
+        "attention": "loss_fn/mlp:dot_general_1.grad_lhs",
+    }
+    return step, (params, x, y), sites
+
+
+CASES = {
+    "linen": linen_case,
+    "equinox": equinox_case,
+    "gpt": functools.partial(reference_case, "gpt"),
+    "encoder": functools.partial(reference_case, "encoder"),
+    "plain": plain_case,
+}
+
+
+class Case(NamedTuple):
+    step: Callable
+    args: tuple
+    sites: dict[str, str]
+    expected: Any  # the plain step's outputs
+    faulty: Callable  # (plan, *args) -> checked step's (outputs, report), compiled once
+
+
+# The reference GPT's whole step under `checked` is also in the default run, in
+# tests/test_every_gemm.py (clean parity, an INF at each site class); here it runs with -m slow.
+SLOW_CASES = {"gpt"}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(name, marks=pytest.mark.slow) if name in SLOW_CASES else name for name in CASES
+    ],
+)
+def case(request):
+    step, args, sites = CASES[request.param]()
+
+    # One compilation serves every fault plan of a capacity: the sites below share it.
+    @jit
+    def faulty(plan, *args):
+        with sdcguard.faults(plan):
+            return sdcguard.checked(step)(*args)
+
+    return Case(step, args, sites, jit(step)(*args), faulty)
+
+
+def test_clean_step_matches_the_plain_step_and_reports_every_gemm(case):
+    out, report = jit(sdcguard.checked(case.step))(*case.args)
+    assert_tree_close(out, case.expected)
+    names = {s.name for s in list_sites(case.step, *case.args) if s.checked}
+    assert set(report) == names
+    assert any(".grad_lhs" in n for n in names) and any(".grad_rhs" in n for n in names)
+    np.testing.assert_array_equal(total(report), [0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("where", ["mlp_forward", "mlp_backward", "attention"])
+def test_inf_at_a_site_is_corrected(case, where):
+    site = case.sites[where]
+    plan = FaultPlan.from_faults([Fault(site=site, kind="inf", index=5)], capacity=2)
+    out, report = case.faulty(plan, *case.args)
+    np.testing.assert_array_equal(report[site], [1, 1, 0, 0])
+    np.testing.assert_array_equal(total(report), [1, 1, 0, 0])
+    assert_tree_close(out, case.expected)

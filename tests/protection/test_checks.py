@@ -1,0 +1,142 @@
+"""The in-place repair of a checked contraction, compiled each way (``ABFTConfig.repair``).
+
+Every strategy gives the same outputs and counters, in fp32, bf16 and fp16, clean and with a
+fault; what differs is the control flow XLA compiles, which the last tests pin.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sdcguard
+from sdcguard.fault_model import Fault, FaultPlan
+from sdcguard.protection import ABFTConfig, checked_einsum, command_buffer_options
+from sdcguard.protection._checks import repair_strategy
+
+from tests.helpers.tolerances import assert_close
+
+SPEC = "bmk,bkn->bmn"
+SITE = "t:gemm"
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+STRATEGIES = ["branch_free", "cond", "while"]
+
+
+def operands(dtype):
+    ka, kb = jax.random.split(jax.random.key(3))
+    return (
+        jax.random.normal(ka, (3, 24, 32)).astype(dtype),
+        jax.random.normal(kb, (3, 32, 16)).astype(dtype),
+    )
+
+
+def run(repair, a, b, plan):
+    config = ABFTConfig(repair=repair)
+    return jax.jit(lambda a, b, p: checked_einsum(SPEC, a, b, site=SITE, plan=p, config=config))(
+        a, b, plan
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("repair", STRATEGIES)
+@pytest.mark.parametrize("kind", ["inf", "nan", "near_inf"])
+def test_each_strategy_corrects_a_fault(repair, dtype, kind):
+    a, b = operands(dtype)
+    plan = FaultPlan.from_faults([Fault(site=SITE, kind=kind, index=333)])
+    out, counts = run(repair, a, b, plan)
+    np.testing.assert_array_equal(counts, [1, 1, 0, 0])
+    assert_close(out, jnp.einsum(SPEC, a, b), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("repair", STRATEGIES)
+def test_each_strategy_gives_the_branch_free_result(repair, dtype):
+    """Bit for bit, clean and repaired: the strategies differ in control flow only."""
+    a, b = operands(dtype)
+    for faults in ([], [Fault(site=SITE, kind="inf", index=40)]):
+        plan = FaultPlan.from_faults(faults, capacity=1)
+        out, counts = run(repair, a, b, plan)
+        want, want_counts = run("branch_free", a, b, plan)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+        np.testing.assert_array_equal(counts, want_counts)
+
+
+@pytest.mark.parametrize("repair", STRATEGIES)
+def test_two_rows_of_one_matrix_stay_uncorrectable(repair):
+    a, b = operands(jnp.float32)
+    plan = FaultPlan.from_faults(
+        [Fault(site=SITE, kind="inf", index=0), Fault(site=SITE, kind="inf", index=16 * 5)]
+    )
+    out, counts = run(repair, a, b, plan)
+    np.testing.assert_array_equal(counts, [1, 0, 1, 0])
+    assert not np.isfinite(np.asarray(out)).all()  # never silently passed on as corrected
+
+
+@pytest.mark.parametrize("repair", STRATEGIES)
+def test_a_whole_checked_step_trains_the_same(repair):
+    """Under ``sdcguard.checked``, forward and backward GEMMs, with a fault in the backward."""
+
+    def loss(w, x):
+        with jax.named_scope("mlp"):
+            return jnp.mean(jnp.tanh(x @ w[0]) @ w[1])
+
+    def step(w, x):
+        value, grads = jax.value_and_grad(loss)(w, x)
+        return [p - 0.1 * g for p, g in zip(w, grads, strict=True)], value
+
+    w = [jnp.ones((8, 16)) / 8, jnp.ones((16, 4)) / 16]
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    plan = FaultPlan.from_faults([Fault(site="mlp:loss.grad_rhs", kind="nan", index=3)])
+
+    @jax.jit
+    def checked(w, x, plan):
+        with sdcguard.faults(plan):
+            return sdcguard.checked(step, ABFTConfig(repair=repair))(w, x)
+
+    (new_w, _), report = checked(w, x, plan)
+    want_w, _ = jax.jit(step)(w, x)
+    np.testing.assert_array_equal(report["mlp:loss.grad_rhs"], [1, 1, 0, 0])
+    for got, want in zip(new_w, want_w, strict=True):
+        assert_close(got, want, jnp.float32)
+
+
+def _control_flow(repair) -> dict[str, int]:
+    a, b = operands(jnp.bfloat16)
+    plan = FaultPlan.from_faults([], capacity=1)
+    config = ABFTConfig(repair=repair)
+    fn = lambda a, b, p: checked_einsum(SPEC, a, b, site=SITE, plan=p, config=config)
+    hlo = jax.jit(fn).lower(a, b, plan).compile().as_text()
+    return {
+        op: len(re.findall(rf"^\s*(?:ROOT )?%\S+ = .* {op}\(", hlo, re.M))
+        for op in ("conditional", "while")
+    }
+
+
+def test_the_compiled_control_flow_of_each_strategy():
+    """Branch-free compiles no control flow; cond one conditional, while one loop."""
+    assert _control_flow("branch_free") == {"conditional": 0, "while": 0}
+    assert _control_flow("cond") == {"conditional": 1, "while": 0}
+    assert _control_flow("while") == {"conditional": 0, "while": 1}
+
+
+def test_auto_resolves_to_branch_free_and_unknown_strategies_are_refused():
+    assert repair_strategy(ABFTConfig()) == "branch_free"
+    assert repair_strategy(ABFTConfig(repair="cond")) == "cond"
+    with pytest.raises(ValueError, match="repair must be one of"):
+        ABFTConfig(repair="sometimes")
+
+
+def test_command_buffer_options_compile_on_every_backend():
+    """The options name XLA's own command types (an unknown one fails to compile)."""
+    options = command_buffer_options()
+    assert options["xla_gpu_enable_command_buffer"].split(",")[-2:] == ["CONDITIONAL", "WHILE"]
+    f = lambda x: jax.lax.cond(x.sum() > 0, lambda y: 2 * y, lambda y: y, x)
+    for opts in (options, command_buffer_options(conditionals=False)):
+        out = jax.jit(f, compiler_options=opts)(jnp.ones(3))
+        np.testing.assert_array_equal(out, [2.0, 2.0, 2.0])
+    with pytest.raises(Exception, match="not a valid enum value"):
+        jax.jit(f).lower(jnp.ones(3)).compile(
+            compiler_options={"xla_gpu_enable_command_buffer": "FUSION,CONDITIONALS"}
+        )
