@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.extend import core as jax_core
 from jax.interpreters import ad, batching, mlir
 
+from sdcguard._jax_compat import varying_axes
 from sdcguard.fault_model import FaultPlan, active_plan
 from sdcguard.protection._config import ABFTConfig, zero_counts, zero_sink
 from sdcguard.protection._contraction import Contraction, axes_of
@@ -116,10 +117,10 @@ def _tangent_abstract(*avals, st, n_plan, levels, plan_tree):
     out = jax.eval_shape(impl, *avals)
     # Inside shard_map the tangent varies over every mesh axis an operand varies over
     # (``check_vma``): jax 0.10 keeps that in the aval's ``mat`` (manual axis type).
-    varying_avals = [a for a in avals if getattr(getattr(a, "mat", None), "varying", None)]
+    varying_avals = [a for a in avals if varying_axes(a)]
     if not varying_avals:
         return jax.core.ShapedArray(out.shape, out.dtype)
-    varying = frozenset().union(*(a.mat.varying for a in varying_avals))
+    varying = frozenset().union(*(varying_axes(a) for a in varying_avals))
     mesh = varying_avals[0].sharding.mesh
     spec = jax.sharding.PartitionSpec(*[None] * len(out.shape))
     sharding = jax.sharding.NamedSharding(mesh, spec)
@@ -153,9 +154,7 @@ def _tangent_transpose(cotangent, *args, st, n_plan, levels, plan_tree):
         # replicated weight) is the sum of the devices' gradients: the psum that JAX's own
         # dot_general gets from transposing its implicit pvary.
         g = g.astype(primal.aval.dtype)
-        have = getattr(getattr(jax.typeof(g), "mat", None), "varying", frozenset())
-        want = getattr(getattr(primal.aval, "mat", None), "varying", frozenset())
-        extra = tuple(sorted(have - want))
+        extra = tuple(sorted(varying_axes(g) - varying_axes(primal.aval)))
         return jax.lax.psum(g, extra) if extra else g
 
     return [

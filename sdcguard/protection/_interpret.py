@@ -23,18 +23,14 @@ from jax._src import source_info_util
 from jax.extend import core as jex_core
 
 from sdcguard import fault_model as inject
+from sdcguard._jax_compat import scan_consts_and_carry, varying_axes
 from sdcguard.protection import _fused_attention as fused_attention, _sharding as sharding
 from sdcguard.protection._config import ABFTConfig, zero_counts
 from sdcguard.protection._contraction import Contraction
 from sdcguard.protection._gemm import checked_gemm
 from sdcguard.protection._select import OPENED_PRIMITIVES, SiteTable, checkable_dtype
 from sdcguard.protection._trace import Traced
-from sdcguard.protection._walk import (
-    Gemm,
-    collect_gemms,
-    is_fused_attention,
-    scan_consts_and_carry,
-)
+from sdcguard.protection._walk import Gemm, collect_gemms, is_fused_attention
 
 Report = dict[str, jax.Array]
 
@@ -45,8 +41,7 @@ def varying(x: jax.Array, axes: frozenset) -> jax.Array:
     Counters computed from a device's own data vary across devices; a loop carry that holds
     them must be typed so from its first value on (``check_vma``).
     """
-    mat = getattr(jax.typeof(x), "mat", None)
-    missing = tuple(sorted(axes - (mat.varying if mat is not None else frozenset())))
+    missing = tuple(sorted(axes - varying_axes(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jax._src import source_info_util
 from jax.extend import core as jex_core
 
+from sdcguard._jax_compat import scan_consts_and_carry
+
 # The frames of sdcguard's own tracing code end where the user's function starts.
 _TRACE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_trace.py")
 _WRAPPED = re.compile(r"^[A-Za-z_][\w.]*\((.*)\)$")
@@ -262,16 +264,6 @@ def _walk(
         for v, f in zip(eqn.outvars, outs, strict=True):
             env[v] = f
     return [flow(v) for v in jaxpr.outvars]
-
-
-def scan_consts_and_carry(params) -> tuple[int, int]:
-    """How many of a ``scan`` equation's operands are constants and how many the carry (the
-    rest are the scanned inputs): jax 0.10 names the counts; jax 0.11 packs the operands' tree
-    in ``ft_in`` (constants, carry, inputs)."""
-    if "num_consts" in params:
-        return params["num_consts"], params["num_carry"]
-    consts, carry, _ = params["ft_in"].unpack()
-    return len(list(consts)), len(list(carry))
 
 
 def _is_carry(eqn, i: int) -> bool:

@@ -223,22 +223,3 @@ def test_pmap_adds_no_collective_on_8_devices():
     out, report = checked(W, xs)
     assert_close(out[0][0], plain(W, xs)[0][0], jnp.float32)
     assert all(r.shape == (8, 4) for r in report.values())  # per device under pmap
-
-
-def test_a_scan_equation_counts_its_constants_and_carry_in_either_jax_layout():
-    """jax 0.10 names a scan's operand counts (``num_consts``, ``num_carry``); jax 0.11 packs
-    the operands' tree in ``ft_in`` (constants, carry, scanned inputs)."""
-    from sdcguard.protection._walk import scan_consts_and_carry
-
-    w = jnp.ones(())
-    closed = jax.make_jaxpr(
-        lambda x: jax.lax.scan(lambda c, y: ((c[0] * w + y, c[1] + y), c[0]), (x[0], x[1]), x)
-    )(jnp.ones(3))
-    (scan,) = [e for e in closed.eqns if e.primitive.name == "scan"]
-    assert scan_consts_and_carry(scan.params) == (1, 2)
-
-    class PackedOperands:  # jax 0.11's flat tree of (constants, carry, xs)
-        def unpack(self):
-            return (None,), (None, None), (None,)
-
-    assert scan_consts_and_carry({"ft_in": PackedOperands()}) == (1, 2)

@@ -1,6 +1,6 @@
 """Where the kernels run: interpret modes, the Hopper probe, an abstract H100 to lower for.
 
-Version-dependent code does not live here (see :mod:`._jax_compat`).
+Version-dependent code does not live here (see ``sdcguard/_jax_compat.py``).
 """
 
 from __future__ import annotations

@@ -74,11 +74,11 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from sdcguard._jax_compat import mosaic_load
 from sdcguard.protection._checksums import power_of_two_below
 from sdcguard.protection._config import ABFTConfig
 from sdcguard.protection._tolerance import scaled_line_threshold, unit_roundoff
 from sdcguard.protection.pallas import _platform
-from sdcguard.protection.pallas._jax_compat import mosaic_load
 from sdcguard.protection.pallas._platform import interpreting
 from sdcguard.protection.pallas._tiles import (
     MASK_VALUE,
