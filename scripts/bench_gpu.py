@@ -51,21 +51,16 @@ SIZES = {
     "tiny": (2, 64, 2, 128, 32, 2, 256),
 }
 GEMM_SHAPES = {"d1024": [(8192, 1024, 4096), (8192, 4096, 1024)], "tiny": [(256, 64, 128)]}
-# XLA:GPU records these control-flow ops inside its CUDA graphs only when asked: the
-# predicate of a repair (cond) or of a recompute (while) is then evaluated on the GPU.
-GRAPHS = sdcguard.command_buffer_options()
-# name -> (what is checked, the compiler options of its step)
+# name -> what is checked ("in place" is ABFTConfig's default repair for the backend).
 VARIANTS = {
-    "plain": (None, None),
-    "detect only": (ABFTConfig(correct=False), None),
-    "in place": (ABFTConfig(), None),
-    "in place, branch-free": (ABFTConfig(repair="branch_free"), None),
-    "in place, cond": (ABFTConfig(repair="cond"), None),
-    "in place, cond in graphs": (ABFTConfig(repair="cond"), GRAPHS),
-    "in place, while in graphs": (ABFTConfig(repair="while"), GRAPHS),
-    "recompute": (ABFTConfig(recompute=True), None),
-    "recompute in graphs": (ABFTConfig(recompute=True), GRAPHS),
-    "attention only, in place": (ABFTConfig(include=("*attn*",), allow_unmatched=True), None),
+    "plain": None,
+    "detect only": ABFTConfig(correct=False),
+    "in place": ABFTConfig(),
+    "in place, branch-free": ABFTConfig(repair="branch_free"),
+    "in place, cond": ABFTConfig(repair="cond"),
+    "in place, while": ABFTConfig(repair="while"),
+    "recompute": ABFTConfig(recompute=True),
+    "attention only, in place": ABFTConfig(include=("**attn**",), allow_unmatched=True),
 }
 BF16_VARIANTS = (
     "plain",
@@ -73,10 +68,8 @@ BF16_VARIANTS = (
     "in place",
     "in place, branch-free",
     "in place, cond",
-    "in place, cond in graphs",
-    "in place, while in graphs",
     "recompute",
-    "recompute in graphs",
+    "attention only, in place",
 )
 # fp32 (TF32) is timed for the variants the targets name.
 FP32_VARIANTS = ("plain", "detect only", "in place")
@@ -162,23 +155,28 @@ def bench_lm(
     names = tuple(n for n in names if n in variants)
     fns, compile_s, hlo = {}, {}, {}
     for name in names:
-        config, options = VARIANTS[name]
+        config = VARIANTS[name]
         fn = step if config is None else sdcguard.checked(step, config)
-        fns[name], compile_s[name], hlo[name] = compiled(fn, args, options)
+        fns[name], compile_s[name], hlo[name] = compiled(fn, args)
         print(f"{jnp.dtype(dtype).name} {name}: compiled in {compile_s[name]:.1f} s", flush=True)
     alarms = {}
     for name in names:
         out = jax.block_until_ready(fns[name]())
-        if VARIANTS[name][0] is not None:
+        if VARIANTS[name] is not None:
             alarms[name] = np.asarray(sdcguard.total(out[1])).tolist()
+        print(f"{jnp.dtype(dtype).name} {name}: ran, alarms {alarms.get(name, '-')}", flush=True)
     times = interleaved({n: per_call(f, 3) for n, f in fns.items()}, rounds)
     summary = overheads(times, base="plain")
+    for name, s in summary.items():
+        print(
+            f"{jnp.dtype(dtype).name} {name}: {s['median_s'] * 1e3:.2f} ms, {_ratio(s)}", flush=True
+        )
     sites = sdcguard.list_sites(step, *args)
     # Injected faults in the users' compute dtype: another compilation of the in-place step.
     faults = {}
     if dtype != jnp.float32:
         for name in (n for n in inject if n in names):
-            faults[name] = corrected_faults(step, args, sites, *VARIANTS[name])
+            faults[name] = corrected_faults(step, args, sites, VARIANTS[name])
     traces = {}
     if trace_dir is not None:
         for name in names:  # as timed: how many kernels, graph launches and host syncs
@@ -186,7 +184,7 @@ def bench_lm(
                 fns[name], hlo[name], _where(trace_dir, dtype, name)
             )
         for name in (n for n in attribute if n in names):  # command buffers off: per instruction
-            config, _ = VARIANTS[name]
+            config = VARIANTS[name]
             fn = step if config is None else sdcguard.checked(step, config)
             run, _, text = compiled(fn, args, NO_GRAPHS)
             jax.block_until_ready(run())
@@ -208,12 +206,12 @@ def _where(trace_dir: Path, dtype, name: str) -> Path:
     return trace_dir / f"{jnp.dtype(dtype).name}_{name.replace(' ', '_').replace(',', '')}"
 
 
-def corrected_faults(step, args, sites, config, options) -> dict:
+def corrected_faults(step, args, sites, config) -> dict:
     """An INF at an MLP forward and at an MLP backward GEMM: the counters and the loss."""
     forward = next(s.name for s in sites if "mlp_in" in s.name and s.direction == "forward")
     backward = next(s.name for s in sites if "mlp_out" in s.name and s.direction == "grad_lhs")
 
-    @functools.partial(jax.jit, compiler_options=options)
+    @jax.jit
     def run(plan, *args):
         with sdcguard.faults(plan):
             return sdcguard.checked(step, config)(*args)
@@ -243,8 +241,7 @@ def bench_gemms(size: str, rounds: int) -> dict:
 
         fns = {"jnp.dot": compiled(gemm, (a, b))[0]}
         for name in ("detect only", "in place"):
-            config, options = VARIANTS[name]
-            fns[name] = compiled(sdcguard.checked(gemm, config), (a, b), options)[0]
+            fns[name] = compiled(sdcguard.checked(gemm, VARIANTS[name]), (a, b))[0]
         times = interleaved({name: per_call(f, 10) for name, f in fns.items()}, rounds)
         results[f"{m}x{k}x{n}"] = overheads(times, base="jnp.dot")
     return results

@@ -119,15 +119,15 @@ WHOLE_STEP_VARIANTS = {
     "every GEMM, in place": ABFTConfig(),
     "every GEMM, detect only": ABFTConfig(correct=False),
     "every GEMM, recompute on detection": ABFTConfig(recompute=True),
-    "attention only (scores, context), in place": ABFTConfig(include=("*attn:*",)),
-    "class: attention (scores, context)": ABFTConfig(include=("*attn:*",), correct=False),
+    "attention only (scores, context), in place": ABFTConfig(include=("**attn:*",)),
+    "class: attention (scores, context)": ABFTConfig(include=("**attn:*",), correct=False),
     "class: projections (q, k, v, out)": ABFTConfig(
-        include=tuple(f"*attn/{p}:*" for p in ("query", "key", "value", "out")), correct=False
+        include=tuple(f"**attn/{p}:*" for p in ("query", "key", "value", "out")), correct=False
     ),
-    "class: MLP": ABFTConfig(include=("*mlp/*",), correct=False),
+    "class: MLP": ABFTConfig(include=("**mlp/**",), correct=False),
     # The GPT reads its embedding as the head, the LM has a Dense head: each model has one.
     "class: head": ABFTConfig(
-        include=("*head*", "*embed:attend*"), correct=False, allow_unmatched=True
+        include=("**head**", "**embed:attend*"), correct=False, allow_unmatched=True
     ),
 }
 

@@ -28,7 +28,16 @@ from sdcguard import fault_model as inject
 from sdcguard._in_place import apply_if
 from sdcguard.guard import GuardState, with_triage
 from sdcguard.models import GPT, Encoder, GPTConfig, init_params, lm_loss, mask_tokens, mlm_loss
-from sdcguard.protection import ABFTConfig, Counts, checked, linen, list_sites, total, unsafe_checks
+from sdcguard.protection import (
+    ABFTConfig,
+    Counts,
+    GemmSite,
+    checked,
+    linen,
+    list_sites,
+    total,
+    unsafe_checks,
+)
 from sdcguard.recovery import TrainState  # the one state of a run: step, params, opt_state, rng
 
 UNCHECKED = ABFTConfig(sites=())  # layers swapped, injection points live, nothing checked
@@ -179,9 +188,9 @@ def model_output_sites(config: TrainConfig) -> dict[str, tuple[int, ...]]:
     return inject.output_sites(lambda: model.init(jax.random.key(0), tokens))
 
 
-def gemm_sites(config: TrainConfig) -> list[str]:
-    """Every floating-point GEMM site of the model's loss and gradients (batch 1), as
-    :func:`sdcguard.checked` names them with ``coverage="every_gemm"``: forward, then backward.
+def gemm_site_table(config: TrainConfig, abft: ABFTConfig | None = None) -> list[GemmSite]:
+    """Every GEMM of the model's loss and gradients (batch 1), checked or not, as
+    :func:`sdcguard.list_sites` reports it under ``abft`` (default ``ABFTConfig()``).
 
     Traces only (nothing runs).
     """
@@ -195,7 +204,16 @@ def gemm_sites(config: TrainConfig) -> list[str]:
             lambda p: task_loss(lambda t: model.apply({"params": p}, t), batch, 0)
         )(params)
 
-    sites = list_sites(loss_and_grads, params, batch)
+    return list_sites(loss_and_grads, params, batch, config=abft)
+
+
+def gemm_sites(config: TrainConfig) -> list[str]:
+    """Every floating-point GEMM site of the model's loss and gradients (batch 1), as
+    :func:`sdcguard.checked` names them with ``coverage="every_gemm"``: forward, then backward.
+
+    Traces only (nothing runs).
+    """
+    sites = gemm_site_table(config)
     forward = [s.name for s in sites if s.direction == "forward" and s.checked]
     backward = [s.name for s in sites if s.direction != "forward" and s.checked]
     return forward + backward
@@ -318,7 +336,7 @@ def make_train_step(
                 return loss, grads, total(report), report, {}
             # A fault aimed at a site this step does not have fails the step, naming it: a
             # misspelt site would otherwise look like a fault that was caught.
-            with inject.recording_injection_points(set()) as points:
+            with inject.recording_injection_points({}) as points:
                 (loss, sdc), (grads, sink_grads) = grad_fn(
                     state.params, sinks, batch, plan, state.step, abft
                 )
@@ -328,16 +346,10 @@ def make_train_step(
 
     def advance(state, batch, plan, abft):
         loss, grads, counts, sdc, sink_grads = gradients(state, batch, plan, abft)
-        updates, opt_state = optimizer.update(
-            grads,
-            state.opt_state,
-            state.params,
-            loss=loss,
-            abft_uncorrectable=unsafe_checks(counts),
+        new_state = state.apply_gradients(
+            optimizer, grads, loss=loss, abft_uncorrectable=unsafe_checks(counts)
         )
-        params = optax.apply_updates(state.params, updates)
-        out = StepOutput(loss, optax.tree.norm(grads), counts, sdc, sink_grads)
-        return state._replace(step=state.step + 1, params=params, opt_state=opt_state), out
+        return new_state, StepOutput(loss, optax.tree.norm(grads), counts, sdc, sink_grads)
 
     def recomputed_if_detected(state, batch, plan):
         # The whole step, update included, is redone: a decision on the gradients alone would

@@ -120,3 +120,41 @@ def test_demo_output_in_a_log_is_whole(tmp_path, monkeypatch):
     for header in ("fault injected", "unprotected", "uncorrectable", "nonfinite input"):
         assert header in text
     assert "protected: 21/21 (100%)" in text  # progress as plain lines
+
+
+def test_elapsed_time_excludes_compilation(monkeypatch, capsys):
+    # Step 0 compiles (here: sleeps); the bar and the "steps" time start after it, so every
+    # run times the same thing, and the printed line says which part was compilation.
+    import time
+    from typing import ClassVar
+
+    from sdcguard import demo
+
+    def fake_make_train_step(train):
+        calls = []
+
+        class Out:
+            loss = 1.0
+            sdc: ClassVar[dict] = {}
+            sink_grads: ClassVar[dict] = {}
+
+        def step(state, batch, plan):
+            if not calls:
+                time.sleep(0.3)
+            calls.append(1)
+            return state, Out()
+
+        return None, step
+
+    monkeypatch.setattr(demo, "make_train_step", fake_make_train_step)
+    monkeypatch.setattr(demo, "site_counts", lambda sdc: {})
+    monkeypatch.setattr(demo, "backward_site_counts", lambda g: {})
+    tiny = GPTConfig(num_layers=1, d_model=32, num_heads=4, seq_len=16)
+    out = run_demo(DemoConfig(steps=5, train=TrainConfig(model=tiny, batch_size=2)))
+    for seconds in out["seconds"].values():
+        assert seconds["step_0"] >= 0.3 > seconds["steps"]
+    from rich.console import Console
+
+    console = Console(width=400)
+    demo.print_result(out, console)
+    assert "clean step 0 (compilation) 0.3 s, 4 more steps 0.0 s" in capsys.readouterr().out

@@ -113,8 +113,9 @@ def check_command(argv: list[str], page: Path) -> None:
         unknown = flags - _script_flags(script)
         assert not unknown, f"{_name(page)}: {argv[1]} has no option {sorted(unknown)}"
     elif argv[:3] in (["python", "-m", "pytest"], ["python3", "-m", "pytest"]):
+        # The first pytest command of .ci/run is the one every full environment runs.
         ci = [c for c in _commands((ROOT / ".ci/run").read_text()) if c[1:3] == ["-m", "pytest"]]
-        assert [argv[1:]] == [c[1:] for c in ci], (
+        assert ci and argv[1:] == ci[0][1:], (
             f"{_name(page)}: the test command `{shlex.join(argv)}` is not the one .ci/run runs"
         )
 

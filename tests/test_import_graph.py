@@ -198,7 +198,7 @@ def test_no_import_cycles():
 # and what a check reports sit under both implementations (XLA in ``checksums`` itself, Pallas
 # kernels), which sit under the dispatch, which sits under the layers and the transform.
 LAYERS = [
-    ("sdcguard._in_place", "sdcguard._shard_local", "sdcguard.fault_model"),
+    ("sdcguard._in_place", "sdcguard._jax_compat", "sdcguard._shard_local", "sdcguard.fault_model"),
     (
         "sdcguard.protection._config",
         "sdcguard.protection._contraction",
@@ -261,8 +261,8 @@ def test_an_upward_import_is_named():
 
 def test_the_parts_do_not_reach_into_each_other():
     """The guard and the fault model stand on their own; recovery and degraded mode stand on the
-    guard (degraded mode trains the reference models too); replay and campaigns may use the
-    protection and the guard (they drive them), never the reverse."""
+    guard (degraded mode trains the reference models too); protected training wires protection,
+    guard and recovery; replay and campaigns may use them (they drive them), never the reverse."""
     graph = import_graph(PACKAGE)
     below = {
         "sdcguard.fault_model": ("sdcguard.fault_model", "sdcguard._shard_local"),
@@ -273,7 +273,15 @@ def test_the_parts_do_not_reach_into_each_other():
             "sdcguard.protection",
             "sdcguard.fault_model",
             "sdcguard._in_place",
+            "sdcguard._jax_compat",
             "sdcguard._shard_local",
+        ),
+        "sdcguard.train": (
+            "sdcguard.train",
+            "sdcguard.protection",
+            "sdcguard.guard",
+            "sdcguard.recovery",
+            "sdcguard.fault_model",
         ),
     }
     crossing = [

@@ -13,8 +13,7 @@ from sdcguard.fault_model import (
     FAULT_KINDS,
     attention_site_names,
     is_output_site,
-    site_pattern,
-    split_site,
+    match_sites,
 )
 from sdcguard.models import GPTConfig
 from sdcguard.training import (
@@ -66,7 +65,9 @@ class CampaignConfig:
         floating-point GEMM of the step, forward and backward, under :func:`sdcguard.checked`
         (sites ``decoder/block_0/mlp/fc_in:dot_general.grad_rhs``...: attention,
         projections, MLP and the output head).
-      sites: site names or patterns (:func:`site_pattern`) to inject into: GEMM sites of the
+      sites: site names or patterns (:func:`sdcguard.fault_model.site_matches`: ``*`` within a
+        path component, ``**`` across; one without ``:`` selects every site of the modules it
+        matches) to inject into: GEMM sites of the
         coverage (forward and backward, ``decoder/block_0/attn:scores.grad_lhs``) and module
         outputs (``decoder/block_0/mlp:output``, forward only); empty means every GEMM site
         of the coverage. Each must name or match a site of the model.
@@ -144,8 +145,8 @@ class CampaignConfig:
         if self.coverage not in COVERAGES:
             raise ValueError(f"coverage must be one of {list(COVERAGES)}, got {self.coverage!r}")
         for site in self.sites:
-            name = split_site(site)[1]
-            if name.startswith("output") and ".grad" in name:
+            name = site.rpartition(":")[2]
+            if ":" in site and name.startswith("output") and ".grad" in name:
                 raise ValueError(
                     f"{site!r}: module-output sites take forward faults only; backward faults "
                     "exist at the attention GEMM sites (e.g. 'decoder/block_0/attn:scores."
@@ -217,7 +218,7 @@ class CampaignConfig:
         valid = self.valid_sites()
         out: list[str] = []
         for pat in patterns:
-            hits = [s for s in valid if site_pattern(pat).fullmatch(s)]
+            hits = match_sites(pat, valid)
             if not hits:
                 raise UnknownSiteError(self._unknown_site(pat, valid))
             out += [s for s in hits if s not in out]

@@ -211,7 +211,11 @@ def _pct(x: float | None) -> str:
 
 def _recovery_text(path: Path) -> list[str]:
     if not path.exists():
-        return [f"Not measured: {path} is absent (run scripts/bench_recovery.py)."]
+        return [
+            f"Not measured: {path} is absent. The recovery benchmark that writes it is "
+            "`scripts/bench_recovery.py` of sdcguard's source repository (not installed by "
+            "pip): run it from a clone, then this campaign again."
+        ]
     try:
         d = json.loads(path.read_text())
         rec, ratio = d["recovery_s"], d["ratio_to_abft"]

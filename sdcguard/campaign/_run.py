@@ -35,15 +35,22 @@ if TYPE_CHECKING:
 
 
 def grid(config: CampaignConfig) -> Iterator[tuple[str, str, str, int]]:
-    """Every trial of the campaign: (protection, site, kind, trial).
+    """Every trial of the campaign: (protection, site, kind, trial), in the order they run.
+
+    The protections alternate fastest (the same fault under each, one after the other), then
+    the kinds (each site starts one kind further on), then the sites, then the trial number:
+    any prefix, such as the trials a ``max_trials`` run gets, samples every protection and
+    every kind about evenly.
 
     Raises:
       ValueError: a site that the model does not have (see :meth:`CampaignConfig.site_list`).
     """
-    for prot in config.protections:
-        for site in config.site_list():
-            for kind in config.kinds:
-                for trial in range(config.trials):
+    kinds = config.kinds
+    for trial in range(config.trials):
+        for j, site in enumerate(config.site_list()):
+            for k in range(len(kinds)):
+                kind = kinds[(j + k) % len(kinds)]
+                for prot in config.protections:
                     yield prot, site, kind, trial
 
 
@@ -81,15 +88,18 @@ def run_campaign(
     total = sum(1 for _ in grid(config))
     if done:
         console.print(f"resuming: {total - len(todo)} of {total} trials already in {path}")
-    if max_trials is not None:
+    if max_trials is not None and max_trials < len(todo):
+        console.print(f"running {max_trials} of the {len(todo)} trials left (--max-trials)")
         todo = todo[:max_trials]
     with progress_display(console) as progress, open(path, "a") as f:
-        task = progress.add_task("trials", total=total, completed=total - len(todo))
-        runner = None
+        # Counts this run's trials: a resumed or capped run starts at 0 of what it will run.
+        task = progress.add_task("trials", total=len(todo))
+        runners: dict[str, Any] = {}  # one compiled step per protection
         for prot, site, kind, trial in todo:
-            if runner is None or runner.protection != prot:
+            if prot not in runners:
                 progress.update(task, description=f"compiling {prot}")
-                runner = runner_for(config, prot)
+                runners[prot] = runner_for(config, prot)
+            runner = runners[prot]
             progress.update(task, description=prot)
             rec = runner.trial(site, kind, trial)
             append_result(f, rec)

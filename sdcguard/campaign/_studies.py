@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdcguard import fault_model as inject
+from sdcguard import fault_model as inject, training
 from sdcguard.campaign._config import CampaignConfig
 from sdcguard.campaign._trials import abft_config, make_fault, runner_for
 from sdcguard.fault_model import ATTENTION_SITES, GEMM_SITES, FaultPlan
-from sdcguard.models import ByteBatches, init_params
-from sdcguard.protection import Counts, GemmSite, list_sites
-from sdcguard.training import TrainConfig, build_model, objective
+from sdcguard.models import ByteBatches
+from sdcguard.protection import Counts, GemmSite
+from sdcguard.training import TrainConfig
 
 # --- Propagation inside one attention block (unprotected) -------------------------------------
 
@@ -145,17 +145,10 @@ def gemm_site_table(config: CampaignConfig, dtype: str) -> list[GemmSite]:
       >>> [s.why_unchecked for s in gemm_site_table(config, "bf16") if not s.checked][:1]
       ['bfloat16 operands']
     """
-    train = TrainConfig(model=config.model_config(dtype), model_kind=config.model_kind)
-    model, task_loss = build_model(train), objective(train)
-    params = jax.eval_shape(lambda: init_params(model, config.seed))
-    batch = jax.ShapeDtypeStruct((1, train.model.seq_len + 1), jnp.int32)
-
-    def loss_and_grads(params, batch):
-        return jax.value_and_grad(
-            lambda p: task_loss(lambda t: model.apply({"params": p}, t), batch, 0)
-        )(params)
-
-    return list_sites(loss_and_grads, params, batch, config=abft_config("abft", "every_gemm"))
+    train = TrainConfig(
+        model=config.model_config(dtype), model_kind=config.model_kind, seed=config.seed
+    )
+    return training.gemm_site_table(train, abft_config("abft", "every_gemm"))
 
 
 def false_positives(config: CampaignConfig, dtype: str, steps: int) -> dict[str, Any]:

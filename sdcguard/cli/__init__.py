@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 from collections.abc import Collection
 
@@ -53,14 +54,14 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
       commands: the subcommands whose flags are registered (the others are only listed);
         None: every subcommand.
     """
-    from sdcguard import __version__
-
+    # The installed distribution's version: reading it imports nothing of sdcguard's (no JAX).
+    version = importlib.metadata.version("sdcguard")
     parser = argparse.ArgumentParser(
         prog="sdcguard",
         description="Keep JAX training correct when hardware silently corrupts numbers.",
     )
     parser.add_argument(
-        "--version", action="version", version=f"sdcguard {__version__}", help="print the version"
+        "--version", action="version", version=f"sdcguard {version}", help="print the version"
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands = COMMANDS if commands is None else commands

@@ -81,6 +81,17 @@ def _probe(directory: str, what: str) -> None:
         raise UsageError(f"{what}: cannot write in {directory!r} ({e.strerror})") from None
 
 
+def _file_in_the_way(directory: str) -> str | None:
+    """The first component of ``directory`` that exists and is not a directory, if any."""
+    probe = os.path.abspath(directory)
+    while not os.path.exists(probe):
+        up = os.path.dirname(probe)
+        if up == probe:
+            return None
+        probe = up
+    return None if os.path.isdir(probe) else probe
+
+
 def check_output_file(path: str | os.PathLike, flag: str) -> None:
     """Checks that the file ``path`` can be written (its directory exists and is writable).
 
@@ -93,6 +104,9 @@ def check_output_file(path: str | os.PathLike, flag: str) -> None:
         raise UsageError(f"{what} is a directory; give a file name")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
+        blocker = _file_in_the_way(parent)
+        if blocker is not None:
+            raise UsageError(f"{what}: {blocker!r} is a file, not a directory")
         raise UsageError(f"{what}: the directory {parent!r} does not exist")
     _probe(parent, what)
     if os.path.exists(path) and not os.access(path, os.W_OK):
@@ -109,6 +123,9 @@ def check_output_dir(path: str | os.PathLike, flag: str) -> None:
     what = f"{flag} {path}"
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"{what} exists and is not a directory")
+    blocker = _file_in_the_way(path)
+    if blocker is not None:
+        raise UsageError(f"{what}: {blocker!r} is a file, not a directory")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:

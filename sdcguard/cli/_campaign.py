@@ -125,18 +125,25 @@ def register(subparsers) -> None:
         default=d.value,
         help="the value set by 'value' faults, the factor of 'scale' faults (%(default)s)",
     )
-    p.add_argument(
-        "--trials",
-        type=positive_int,
-        default=d.trials,
-        help="trials per site and kind (%(default)s)",
-    )
-    p.add_argument(
-        "--seed",
-        type=integer,
-        default=d.seed,
-        help="seed of parameters, data, trials (%(default)s)",
-    )
+    for flag, kind, default, what in (
+        ("--trials", positive_int, d.trials, "trials per site and kind"),
+        ("--seed", integer, d.seed, "seed of parameters, data, trials"),
+        ("--warmup", non_negative_int, d.warmup, "clean steps before the fault step"),
+        ("--steps-after", positive_int, d.steps_after, "steps trained after the fault"),
+        (
+            "--fp-steps",
+            non_negative_int,
+            d.fp_steps,
+            "clean ABFT steps per dtype for the false-positive count (0: skip)",
+        ),
+        (
+            "--propagation-trials",
+            non_negative_int,
+            d.propagation_trials,
+            "faults per forward site and kind of the propagation study (0: skip)",
+        ),
+    ):
+        p.add_argument(flag, type=kind, default=default, help=f"{what} (default: %(default)s)")
     p.add_argument(
         "--dtype",
         type=_dtype,
@@ -152,24 +159,6 @@ def register(subparsers) -> None:
         help="protection levels to run (default: %(default)s)",
     )
     p.add_argument(
-        "--warmup",
-        type=non_negative_int,
-        default=d.warmup,
-        help="clean steps before the fault step (%(default)s)",
-    )
-    p.add_argument(
-        "--steps-after",
-        type=positive_int,
-        default=d.steps_after,
-        help="steps trained after the fault (%(default)s)",
-    )
-    p.add_argument(
-        "--fp-steps",
-        type=non_negative_int,
-        default=d.fp_steps,
-        help="clean ABFT steps per dtype for the false-positive count (0: skip; %(default)s)",
-    )
-    p.add_argument(
         "--fp-dtypes",
         nargs="*",
         type=_dtype,
@@ -177,16 +166,11 @@ def register(subparsers) -> None:
         help="dtypes of the false-positive count (default: %(default)s)",
     )
     p.add_argument(
-        "--propagation-trials",
-        type=non_negative_int,
-        default=d.propagation_trials,
-        help="faults per forward site and kind of the propagation study (0: skip; %(default)s)",
-    )
-    p.add_argument(
         "--max-trials",
         type=positive_int,
         default=None,
-        help="stop after this many new trials (resume later with the same command)",
+        help="stop after this many new trials, taken so that every protection and fault kind "
+        "is sampled about evenly (resume later with the same command)",
     )
     p.add_argument(
         "--list-sites",

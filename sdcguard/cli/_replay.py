@@ -3,7 +3,8 @@
 Exit codes, on every path: 0 identical (or success), 1 divergence found (``compare``: node B
 differs from A; ``scan``: suspects outside a bit-identical majority), 2 could not compare
 (bad arguments, unusable trace, mismatched fingerprints, a node that failed or timed out, an
-output that cannot be written, an interruption, an internal error). Errors are one line on
+output that cannot be written, Ctrl-C, SIGTERM or SIGHUP (the launched nodes are
+stopped), an internal error). Errors are one line on
 stderr (``sdcguard: error: ...``); with ``--json`` the report is written on exit 2 too, with
 ``status: "error"`` and the reason. Every argument is checked before any node runs.
 """
@@ -14,8 +15,10 @@ import argparse
 import contextlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 
 from sdcguard._console import make_console, one_line
 from sdcguard.cli._args import (
@@ -147,7 +150,7 @@ def register(subparsers) -> None:
         default="sdcguard",
         help="token marking the trace stream of --out - (set by compare and scan)",
     )
-    p.set_defaults(handler=record_command)
+    p.set_defaults(handler=_handler(_record, "record"))
 
     p = subparsers.add_parser(
         "compare",
@@ -188,7 +191,7 @@ def register(subparsers) -> None:
         help="compare even if the environment fingerprints differ",
     )
     _add_output_flags(p, "exit_code, identical, first_divergence, one table per level")
-    p.set_defaults(handler=compare_command)
+    p.set_defaults(handler=_handler(_compare, "compare"))
 
     p = subparsers.add_parser(
         "scan",
@@ -210,7 +213,7 @@ def register(subparsers) -> None:
     p.add_argument("--jobs", type=integer, default=8, help="nodes run at a time (default: 8)")
     _add_node_flags(p)
     _add_output_flags(p, "status, exit_code, suspects, groups, one entry per node")
-    p.set_defaults(handler=scan_command)
+    p.set_defaults(handler=_handler(_scan, "scan"))
 
     p = subparsers.add_parser(
         "sites",
@@ -229,7 +232,7 @@ def register(subparsers) -> None:
         metavar="PATTERN",
         help="list only the sites and submodules this --sites pattern matches (exit 2 if none)",
     )
-    p.set_defaults(handler=sites_command)
+    p.set_defaults(handler=_handler(_sites, "sites"))
 
 
 def _record_options(args, **extra):
@@ -246,9 +249,42 @@ def _record_options(args, **extra):
     )
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a batch scheduler's stop): unwinds like Ctrl-C, which stops the nodes."""
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """SIGTERM and SIGHUP raise :class:`Terminated` in the main thread until ``stopping()``
+    is called (from then on they are ignored: the error is being reported); the previous
+    handlers are restored after.
+
+    Yields:
+      ``stopping()``.
+    """
+    stopping = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stopping.set
+        return
+
+    def stop(signum, frame):
+        if not stopping.is_set():
+            stopping.set()
+            raise Terminated(f"terminated by {signal.Signals(signum).name}")
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield stopping.set
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def _message(e: BaseException) -> str:
     from sdcguard.replay import FingerprintMismatch, NodeError, TaskError, TraceError
 
+    if isinstance(e, Terminated):
+        return f"{e}; the launched nodes were stopped"
     if isinstance(e, KeyboardInterrupt):
         return "interrupted"
     if isinstance(e, FingerprintMismatch | NodeError | TaskError | TraceError | ValueError):
@@ -266,36 +302,44 @@ def _run(args, fn, command: str) -> int:
     """
     json_file = getattr(args, "json_file", None)
     json_ok = False
-    try:
-        if json_file:
-            check_output_file(json_file, "--json")
-            json_ok = True
-        if getattr(args, "out", None) and command != "record":
-            check_output_dir(args.out, "--out")
-        return fn(args)
-    except (Exception, KeyboardInterrupt) as e:
-        message = _message(e)
-    error(message)
-    if json_ok:
-        from sdcguard.replay import write_doc
+    with _stop_on_signals() as stopping:
+        try:
+            if json_file:
+                check_output_file(json_file, "--json")
+                json_ok = True
+            if getattr(args, "out", None) and command != "record":
+                check_output_dir(args.out, "--out")
+            return fn(args)
+        except (Exception, KeyboardInterrupt) as e:
+            stopping()
+            message = _message(e)
+        error(message)
+        if json_ok:
+            from sdcguard.replay import write_doc
 
-        with contextlib.suppress(OSError):
-            write_doc(
-                {"status": "error", "exit_code": EXIT_ERROR, "command": command, "error": message},
-                json_file,
-            )
+            with contextlib.suppress(OSError):
+                write_doc(
+                    {
+                        "status": "error",
+                        "exit_code": EXIT_ERROR,
+                        "command": command,
+                        "error": message,
+                    },
+                    json_file,
+                )
     return EXIT_ERROR
 
 
-def _configure() -> None:
-    from sdcguard.replay import configure
+def _handler(fn, command: str):
+    """The ``handler`` of a subcommand: deterministic XLA flags set first, then :func:`_run`."""
 
-    configure()
+    def handle(args) -> int:
+        from sdcguard.replay import configure
 
+        configure()
+        return _run(args, fn, command)
 
-def record_command(args) -> int:
-    _configure()
-    return _run(args, _record, "record")
+    return handle
 
 
 def _record(args) -> int:
@@ -351,11 +395,6 @@ def _record(args) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def compare_command(args) -> int:
-    _configure()
-    return _run(args, _compare, "compare")
-
-
 def _compare(args) -> int:
     from sdcguard.replay import (
         CompareOptions,
@@ -402,11 +441,6 @@ def _compare(args) -> int:
     return code
 
 
-def scan_command(args) -> int:
-    _configure()
-    return _run(args, _scan, "scan")
-
-
 def _scan(args) -> int:
     from sdcguard.replay import ScanOptions, node_progress, render_scan, scan_nodes, write_doc
 
@@ -437,11 +471,6 @@ def _scan(args) -> int:
     if args.json_file:
         write_doc({"command": "scan", **result.to_json()}, args.json_file)
     return result.exit_code
-
-
-def sites_command(args) -> int:
-    _configure()
-    return _run(args, _sites, "sites")
 
 
 def _sites(args) -> int:

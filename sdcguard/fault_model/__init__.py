@@ -12,6 +12,12 @@ from sdcguard.fault_model._apply import (
     fault_hits as fault_hits,
     random_index as random_index,
 )
+from sdcguard.fault_model._check import (
+    SiteInfo as SiteInfo,
+    check_faults as check_faults,
+    fault_problem as fault_problem,
+    unknown_site_message as unknown_site_message,
+)
 from sdcguard.fault_model._context import (
     active_plan as active_plan,
     faults as faults,
@@ -23,6 +29,7 @@ from sdcguard.fault_model._linen import (
 from sdcguard.fault_model._plan import (
     Fault as Fault,
     FaultPlan as FaultPlan,
+    HostFaults as HostFaults,
 )
 from sdcguard.fault_model._points import (
     note_injection_point as note_injection_point,
@@ -53,6 +60,7 @@ from sdcguard.fault_model._sites import (
     output_site_name as output_site_name,
     site_class as site_class,
     site_id as site_id,
+    site_matches as site_matches,
     site_name as site_name,
     site_name_of as site_name_of,
     site_pattern as site_pattern,
@@ -74,13 +82,17 @@ __all__ = [
     "FaultPlan",
     "Hit",
     "HitLog",
+    "HostFaults",
+    "SiteInfo",
     "active_plan",
     "apply",
     "apply_in_block",
     "attention_site_names",
     "backward_site_names",
+    "check_faults",
     "corrupt",
     "fault_hits",
+    "fault_problem",
     "faults",
     "is_output_site",
     "match_sites",
@@ -97,8 +109,10 @@ __all__ = [
     "restrict_sites",
     "site_class",
     "site_id",
+    "site_matches",
     "site_name",
     "site_name_of",
     "site_pattern",
     "split_site",
+    "unknown_site_message",
 ]

@@ -52,11 +52,39 @@ class Fault:
             raise ValueError(f"bitflip needs 0 <= bit < 64, got bit={self.bit}")
 
 
+class HostFaults:
+    """The faults a plan was built from, kept on the host as the plan's static part.
+
+    Any two compare equal: a plan's faults are data, and plans of one capacity share one
+    compilation. What it holds lets a step check the plan against its sites when it is traced
+    (:func:`sdcguard.fault_model.raise_if_unmatched`), before anything runs.
+    """
+
+    __slots__ = ("faults",)
+
+    def __init__(self, faults: Sequence[Fault] | None = None):
+        self.faults = None if faults is None else tuple(faults)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, HostFaults)
+
+    def __hash__(self) -> int:
+        return hash(HostFaults)
+
+    def __repr__(self) -> str:
+        return f"HostFaults({self.faults!r})"
+
+
+_UNKNOWN = HostFaults()
+
+
 class FaultPlan(NamedTuple):
     """Faults as arrays: every field has shape ``[num_faults]`` except ``current_step``.
 
     A plan is a jit argument, so a campaign of thousands of faults compiles once. Build one
-    with :meth:`from_faults` or :meth:`none`; set the step with :meth:`at_step`.
+    with :meth:`from_faults` or :meth:`none`; set the step with :meth:`at_step`. ``host`` (not
+    a leaf) keeps the faults :meth:`from_faults` was given, for the checks made when a step is
+    traced.
     """
 
     site: jax.Array  # int32 site_id of the target site
@@ -67,6 +95,7 @@ class FaultPlan(NamedTuple):
     bit: jax.Array  # int32
     value: jax.Array  # float32
     current_step: jax.Array  # int32 scalar: the step being run now
+    host: HostFaults = _UNKNOWN  # static: the faults as written, where known
 
     @classmethod
     def from_faults(cls, faults: Sequence[Fault], *, capacity: int | None = None) -> FaultPlan:
@@ -90,6 +119,7 @@ class FaultPlan(NamedTuple):
             bit=col(lambda f: f.bit, np.int32),
             value=col(lambda f: f.value, np.float32),
             current_step=np.zeros((), np.int32),
+            host=HostFaults(faults),
         )
 
     @classmethod
@@ -108,3 +138,23 @@ class FaultPlan(NamedTuple):
     def fires_now(self) -> jax.Array:
         """bool ``[num_faults]``: which faults fire at ``current_step``."""
         return (self.step < 0) | (self.step == self.current_step)
+
+    @property
+    def faults(self) -> tuple[Fault, ...] | None:
+        """The faults the plan was built from (:meth:`from_faults`), or None where unknown."""
+        return self.host.faults
+
+
+_LEAVES = FaultPlan._fields[:-1]
+
+
+def _flatten_with_keys(plan: FaultPlan):
+    return [(jax.tree_util.GetAttrKey(f), getattr(plan, f)) for f in _LEAVES], plan.host
+
+
+jax.tree_util.register_pytree_with_keys(
+    FaultPlan,
+    _flatten_with_keys,
+    lambda host, leaves: FaultPlan(*leaves, host=host),
+    lambda plan: (plan[:-1], plan.host),
+)

@@ -187,13 +187,10 @@ def attention_site_names(attn_path: Sequence[str] | str, *, backward: bool = Tru
 
 @functools.cache
 def site_pattern(pattern: str) -> re.Pattern:
-    """The one pattern grammar of site and module names (``--sites`` of every command).
+    """The regex of one pattern of the site grammar (see :func:`site_matches`), matched whole.
 
     ``*`` matches within one path component (not ``/`` or ``:``), ``**`` across components,
-    ``?`` one character of a component; everything else is literal, and a pattern matches a
-    whole name. ``decoder/block_*:output`` matches the blocks' outputs, not
-    ``decoder/block_0/mlp:output``; ``decoder/**:kernel.grad`` every kernel gradient under
-    ``decoder``.
+    ``?`` one character of a component; everything else is literal (``[`` too).
 
     Example:
       >>> bool(site_pattern("decoder/block_*/attn:scores*").fullmatch(
@@ -212,7 +209,31 @@ def site_pattern(pattern: str) -> re.Pattern:
     return re.compile("".join(out))
 
 
-def match_sites(pattern: str, names: Iterable[str]) -> list[str]:
-    """The names (in their order) that ``pattern`` matches whole (see :func:`site_pattern`)."""
+def site_matches(pattern: str, name: str) -> bool:
+    """Whether ``pattern`` selects the site ``name``: the one grammar of site patterns.
+
+    ``ABFTConfig(include=..., exclude=...)`` and every ``--sites`` of the command line use it.
+    ``*`` matches within one path component (it stops at ``/`` and ``:``), ``**`` across
+    components, ``?`` one character; everything else is literal. A pattern matches whole
+    names; one without ``:`` also names module paths and selects every site of the modules it
+    matches.
+
+    Example:
+      >>> site_matches("decoder/block_*:output", "decoder/block_0/mlp:output")
+      False
+      >>> site_matches("decoder/**/mlp/*", "decoder/block_0/mlp/fc_in:dot_general.grad_rhs")
+      True
+      >>> site_matches("**attn**", "layers[0].attn:scores")
+      True
+      >>> site_matches("**scores.grad_rhs", "loss/attend:scores.grad_rhs")
+      True
+    """
     regex = site_pattern(pattern)
-    return [n for n in names if regex.fullmatch(n)]
+    if regex.fullmatch(name):
+        return True
+    return ":" not in pattern and regex.fullmatch(name.rpartition(":")[0]) is not None
+
+
+def match_sites(pattern: str, names: Iterable[str]) -> list[str]:
+    """The names (in their order) that ``pattern`` selects (see :func:`site_matches`)."""
+    return [n for n in names if site_matches(pattern, n)]

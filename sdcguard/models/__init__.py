@@ -13,6 +13,8 @@ from sdcguard.models._encoder import (
 from sdcguard.models._gemma import (
     Gemma as Gemma,
     GemmaConfig as GemmaConfig,
+    loss as gemma_loss,
+    train_step as gemma_train_step,
 )
 from sdcguard.models._gpt import (
     GPT as GPT,
@@ -32,6 +34,8 @@ __all__ = [
     "Gemma",
     "GemmaConfig",
     "corpus_bytes",
+    "gemma_loss",
+    "gemma_train_step",
     "init_params",
     "lm_loss",
     "mask_tokens",

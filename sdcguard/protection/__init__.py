@@ -38,7 +38,6 @@ from sdcguard.protection._config import (
     unsafe_checks as unsafe_checks,
 )
 from sdcguard.protection._contraction import Contraction as Contraction
-from sdcguard.protection._graphs import command_buffer_options as command_buffer_options
 from sdcguard.protection._select import GemmSite as GemmSite
 from sdcguard.protection._softmax import check_softmax_rows as check_softmax_rows
 from sdcguard.protection._tolerance import roundoff_gamma as roundoff_gamma
@@ -56,7 +55,6 @@ __all__ = [
     "checked",
     "checked_dot_general",
     "checked_einsum",
-    "command_buffer_options",
     "input_rounding",
     "line_checksums",
     "linen",

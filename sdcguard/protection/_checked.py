@@ -53,8 +53,10 @@ def checked(fn: Callable, config: ABFTConfig | None = None) -> Callable:
       each checked site to int32 ``[detected, corrected, uncorrectable, nonfinite_input]``
       (``[iterations, 4]`` inside a scan with ``per_iteration``), with no host sync.
       Faults set by :func:`sdcguard.faults` around the call are injected at their sites,
-      checked or excluded (``include=()`` checks nothing and keeps every injection point); a
-      fault aimed at a site the step does not have makes the step fail, naming it.
+      checked or excluded (``include=()`` checks nothing and keeps every injection point). A
+      plan's mistakes (a site the step does not have, an index beyond the site's tensor, a bit
+      beyond its dtype, an integer or fp8 site) raise ``ValueError`` when the step is traced
+      (docs/faults.md, "Mistakes caught when the step is traced").
 
     Example:
       >>> out, report = sdcguard.checked(train_step)(state, batch)
@@ -65,14 +67,20 @@ def checked(fn: Callable, config: ABFTConfig | None = None) -> Callable:
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        with inject.recording_injection_points(set()) as points:
+        with inject.recording_injection_points({}) as points:
             program = _prepare(fn, config, args, kwargs)
             if config.recompute:
                 outs, report = run_recomputing(program, config)
             else:
                 outs, report = run_checked(program, config)
-        if not config.allow_unmatched:
-            inject.raise_if_unmatched(inject.active_plan(), points)
+        # Sites without an injection point (integer and fp8 GEMMs), and why.
+        not_injected = {s.name: s.why_unchecked for s in program.table.sites if not s.checked}
+        inject.raise_if_unmatched(
+            inject.active_plan(),
+            points,
+            not_injected={n: w for n, w in not_injected.items() if n not in points},
+            allow_unmatched=config.allow_unmatched,
+        )
         return program.traced.rebuild(outs), report
 
     return run

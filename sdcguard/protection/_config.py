@@ -32,16 +32,16 @@ class ABFTConfig:
       repair: how the XLA path compiles the in-place repair: ``'branch_free'`` (computed on
         every call, no control flow), ``'cond'`` (a ``lax.cond`` per GEMM: the repair runs only
         when its check fired), ``'while'`` (a loop of zero or one trips per GEMM), or
-        ``'auto'`` (the one measured fastest for the backend; see docs/performance.md,
-        "Repair strategies"). On a GPU, ``'cond'`` and ``'while'`` need
-        :func:`command_buffer_options` to keep their predicate on the device.
+        ``'auto'``: the one measured fastest on the backend, ``'cond'`` on a GPU and
+        ``'branch_free'`` elsewhere (docs/performance.md, "Repair strategies").
       safety: multiplier on the round-off bound (1.0 is already a worst-case bound).
       near_inf: magnitude at and above which a value in a flagged line is located directly
         (the Pallas kernels, which locate single errors within a tile).
       implementation: ``'xla'`` (any backend), ``'pallas'`` (GPU kernels) or ``'auto'``.
-      include, exclude: glob patterns over site names for :func:`sdcguard.checked`: a GEMM is
-        checked when its name matches some ``include`` pattern and no ``exclude`` pattern
-        (e.g. ``include=("*attn*",)``, or ``exclude=("*head*",)``).
+      include, exclude: site patterns for :func:`sdcguard.checked` (the grammar of every
+        ``--sites``, :func:`sdcguard.fault_model.site_matches`: ``*`` within a path component,
+        ``**`` across): a GEMM is checked when its name matches some ``include`` pattern and no
+        ``exclude`` pattern (e.g. ``include=("**attn**",)``, or ``exclude=("**head**",)``).
       recompute: for :func:`sdcguard.checked`: checks only detect (``correct`` is not read),
         and a call with any detection is computed again, once, from the same arguments; a
         detection on that second computation too is reported for the update guard to refuse.
@@ -70,7 +70,7 @@ class ABFTConfig:
     safety: float = 1.0
     near_inf: float = NEAR_INF
     implementation: str = "auto"
-    include: tuple[str, ...] = ("*",)
+    include: tuple[str, ...] = ("**",)
     exclude: tuple[str, ...] = ()
     recompute: bool = False
     per_iteration: bool = False
@@ -123,7 +123,7 @@ class ABFTConfig:
             raise ValueError(
                 f"ABFTConfig(sites={self.sites!r}) selects the sites of the drop-in attention "
                 "layers; sdcguard.checked selects GEMMs by name with include=/exclude= glob "
-                "patterns instead, e.g. include=('*attn:scores*',) (see sdcguard.list_sites)"
+                "patterns instead, e.g. include=('**attn:scores*',) (see sdcguard.list_sites)"
             )
         return self
 

@@ -198,16 +198,21 @@ class _Namer:
         module, with_leaf = self.owners[self.weight_of[g.index]]
         return (with_leaf if leaf_kept else module), g.method or "dot_general"
 
-    def by_producers(self, g: Gemm) -> tuple[ModulePath, str] | None:
+    def by_producers(
+        self, g: Gemm, ignore: frozenset = frozenset()
+    ) -> tuple[ModulePath, str] | None:
+        """Named by where its operands were computed; ``ignore``: producers not to count when
+        others remain (the cotangents a backward rule reads come from the layers above)."""
         if g.lhs_flow.producers is None or g.rhs_flow.producers is None:
             return None
         producers = g.lhs_flow.producers | g.rhs_flow.producers
+        producers = (producers - ignore) or producers
         if not producers or any(p not in self.place for p in producers):
             return None
         parents = []
         for p in producers:
             path, site = self.place[p]
-            parents.append(path if site in ("scores", "context") else path.parent)
+            parents.append(path if site in ("scores", "context", "backward") else path.parent)
         where = _common(parents)
         if not where.keys or any(len(p.keys) > len(where.keys) + 1 for p in parents):
             return None  # operands from far apart in the model: not one module's GEMM
@@ -278,6 +283,62 @@ def _name_cores(cores: list[Gemm], namer: _Namer) -> dict[int, str]:
     return out
 
 
+def _numbered(gemms: list[Gemm], bases: dict[int, str]) -> dict[int, str]:
+    """``gemm index -> name``: ``bases``, with ``_1``, ``_2`` for repeats in program order."""
+    out: dict[int, str] = {}
+    used: collections.Counter = collections.Counter()
+    for g in gemms:
+        n = used[bases[g.index]]
+        used[bases[g.index]] += 1
+        out[g.index] = bases[g.index] if n == 0 else f"{bases[g.index]}_{n}"
+    return out
+
+
+def _name_rule_gemms(
+    rule: list[Gemm],
+    gemms: list[Gemm],
+    is_forward: list[bool],
+    name_of: dict[int, str],
+    namer: _Namer,
+) -> dict[Gemm, tuple[str, str]]:
+    """Names and directions of the GEMMs a ``custom_vjp`` / ``custom_jvp`` rule runs in the
+    backward pass (docs/protection.md, "Site names").
+
+    One that reads an operand of a forward GEMM and not the other is that GEMM's gradient
+    (``attn:context.grad_rhs`` reads the probabilities, as JAX's own would); any other is
+    ``<module>:backward`` (``_1``, ``_2``, ...), the module being where the values it reads were
+    computed, direction ``'backward'``.
+    """
+    forwards = [g for g, fwd in zip(gemms, is_forward, strict=True) if fwd]
+    pairs = _pair_backward(rule, {g.key: forwards for g in rule})
+    in_rule = {g.index for g in rule}
+    cotangents = frozenset(g.index for g in gemms if g.backward and g.index not in in_rule)
+    out: dict[Gemm, tuple[str, str]] = {}
+    bases: dict[int, str] = {}
+    unpaired = []
+    for g in rule:
+        fwd, side = pairs[g.index]
+        # A gradient has its operand's shape: a GEMM that reads one operand of a forward GEMM
+        # and has another shape recomputes something (a flash kernel's scores), no gradient.
+        operand = {"grad_lhs": fwd.lhs_shape, "grad_rhs": fwd.rhs_shape}.get(side) if fwd else None
+        if operand is not None and sorted(operand) == sorted(g.out_shape):
+            out[g] = (f"{name_of[fwd.index]}.{side}", side)
+            if fwd.index in namer.place:
+                namer.place[g.index] = namer.place[fwd.index]
+            continue
+        site = namer.by_producers(g, cotangents)
+        if site is None and g.index in namer.weight_of:
+            site = namer.by_weight(g)
+        where = str(site[0]) if site is not None else namer.by_scope(g).rsplit(":", 1)[0]
+        if site is not None:
+            namer.place[g.index] = (site[0], "backward")
+        bases[g.index] = f"{where}:backward"
+        unpaired.append(g)
+    for g in unpaired:
+        out[g] = (_numbered(unpaired, bases)[g.index], "backward")
+    return out
+
+
 def name_program(
     jaxpr, input_paths: Sequence[str | None] = ()
 ) -> tuple[dict[int, tuple[str, str]], dict[int, str]]:
@@ -305,22 +366,21 @@ def name_program(
     gemms = collect_gemms(jaxpr, input_flows=flows, cores=cores)
     namer = _Namer(gemms, paths)
     is_forward = [not g.backward and not g.in_remat for g in gemms]
-    # Forward GEMMs first, then GEMMs of backward rules or of remat alone (no forward GEMM at
-    # their call place): sites of their own.
+    # Forward GEMMs first, then GEMMs of remat alone (no forward GEMM at their call place):
+    # sites of their own. Backward GEMMs with no forward GEMM at their call place run in a
+    # custom_vjp / custom_jvp rule: see _name_rule_gemms.
     forward_by_key: dict[tuple, list[Gemm]] = collections.defaultdict(list)
     for g, fwd in zip(gemms, is_forward, strict=True):
         if fwd:
             forward_by_key[g.key].append(g)
+    rule = [g for g in gemms if g.backward and g.key not in forward_by_key]
+    in_rule = {g.index for g in rule}
     own = [
-        g for g, fwd in zip(gemms, is_forward, strict=True) if fwd or g.key not in forward_by_key
+        g
+        for g, fwd in zip(gemms, is_forward, strict=True)
+        if (fwd or g.key not in forward_by_key) and g.index not in in_rule
     ]
-    bases = namer.base_names(own)
-    name_of: dict[int, str] = {}
-    used: collections.Counter = collections.Counter()
-    for g in own:
-        n = used[bases[g.index]]
-        used[bases[g.index]] += 1
-        name_of[g.index] = bases[g.index] if n == 0 else f"{bases[g.index]}_{n}"
+    name_of = _numbered(own, namer.base_names(own))
     pairs = _pair_backward(
         [g for g in gemms if g.backward and g.key in forward_by_key], forward_by_key
     )
@@ -329,6 +389,8 @@ def name_program(
     backward_seen: collections.Counter = collections.Counter()
     for g, fwd_here in zip(gemms, is_forward, strict=True):
         forwards = forward_by_key.get(g.key, [])
+        if g.index in in_rule:
+            continue
         if fwd_here or not forwards:
             name = (name_of[g.index], "forward")
         elif not g.backward:
@@ -344,5 +406,9 @@ def name_program(
             if not side:  # square operands, rematerialised: JAX transposes the rhs first
                 side = ("grad_rhs", "grad_lhs")[k % 2]
             name = (f"{name_of[fwd.index]}.{side}", side)
+            if fwd.index in namer.place:  # where the GEMMs of a rule read it from
+                namer.place.setdefault(g.index, namer.place[fwd.index])
         names.setdefault(id(g.eqn), name)  # one jaxpr called twice: its first call's name
+    for g, name in _name_rule_gemms(rule, gemms, is_forward, name_of, namer).items():
+        names.setdefault(id(g.eqn), name)
     return names, _name_cores(cores, namer)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import fnmatch
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax.numpy as jnp
 
+from sdcguard.fault_model import site_matches
 from sdcguard.protection import _fused_attention as fused_attention
 from sdcguard.protection._config import ABFTConfig
 from sdcguard.protection._naming import name_program
@@ -58,6 +58,10 @@ class GemmSite:
       checked: whether ``checked`` verifies it; then it is in every report of the step.
       why_unchecked: ``''`` when checked, else the reason (``'int8 operands'``, ``'excluded by
         include/exclude'``, ``'inside pallas_call, which sdcguard.checked does not open'``, ...).
+      iterations: how many times the GEMM runs per step inside ``scan`` loops (the product of
+        their lengths; 1 outside any), or None inside a ``while`` loop: the report's counts of
+        the site add up over them (``ABFTConfig(per_iteration=True)``: one row per iteration
+        of the innermost scan), and a fault planned at the site fires in every iteration.
       implementation: ``'xla'`` or ``'pallas'`` when checked (see
         :func:`~sdcguard.protection._gemm.implementation_for`), ``'pallas flash attention
         (mosaic)'`` or ``'(triton)'`` for the sites of cuDNN attention
@@ -73,6 +77,23 @@ class GemmSite:
     checked: bool
     why_unchecked: str
     implementation: str = ""
+    iterations: int | None = 1
+
+
+def _iterations(jaxpr, times: int | None = 1, out: dict | None = None) -> dict[int, int | None]:
+    """``id(eqn) -> iterations`` for every equation under a loop (see :class:`GemmSite`)."""
+    out = {} if out is None else out
+    for eqn in jaxpr.eqns:
+        here = times
+        if eqn.primitive.name == "scan":
+            here = None if times is None else times * int(eqn.params["length"])
+        elif eqn.primitive.name == "while":
+            here = None
+        if here != 1:
+            out[id(eqn)] = here
+        for sub in sub_jaxprs(eqn):
+            _iterations(sub, here, out)
+    return out
 
 
 # Primitives that run GEMMs inside one fused kernel (no jaxpr to open): custom calls, cuBLAS and
@@ -83,8 +104,8 @@ _FUSED_GEMM_PRIMITIVES = ("cudnn", "cublas", "custom_call")
 
 
 def _selected(name: str, config: ABFTConfig) -> bool:
-    included = any(fnmatch.fnmatchcase(name, p) for p in config.include)
-    return included and not any(fnmatch.fnmatchcase(name, p) for p in config.exclude)
+    included = any(site_matches(p, name) for p in config.include)
+    return included and not any(site_matches(p, name) for p in config.exclude)
 
 
 def checkable_dtype(dtype) -> bool:
@@ -252,6 +273,7 @@ def site_table(jaxpr, config: ABFTConfig, input_paths: Sequence[str] = ()) -> Si
     implementation = "pallas" if config.implementation == "pallas" else "xla"
     why_by_eqn: dict[int, str] = {}
     sites: dict[str, GemmSite] = {}
+    iterations = _iterations(jaxpr)
     for g in collect_gemms(jaxpr):
         name, direction = names[id(g.eqn)]
         why = not_run.get(id(g.eqn)) or _why_unchecked(g, name, direction, config)
@@ -266,6 +288,7 @@ def site_table(jaxpr, config: ABFTConfig, input_paths: Sequence[str] = ()) -> Si
             checked=not why,
             why_unchecked=why,
             implementation="" if why else implementation,
+            iterations=iterations.get(id(g.eqn), 1),
         )
         # A name some of whose GEMMs are checked is a checked site (it is in the report).
         if name not in sites or (site.checked and not sites[name].checked):
@@ -283,11 +306,12 @@ def validate_selection(config: ABFTConfig, names: Sequence[str]) -> None:
         return
     for field in ("include", "exclude"):
         for pattern in getattr(config, field):
-            if pattern != "*" and not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            if pattern != "**" and not any(site_matches(pattern, n) for n in names):
                 close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.4)
                 raise ValueError(
                     f"ABFTConfig({field}=...) pattern {pattern!r} matches no GEMM site of this "
-                    f"function; close matches: {close or 'none'}. Sites are listed by "
+                    f"function; close matches: {close or 'none'}. '*' stops at '/' and ':', "
+                    "'**' crosses them (e.g. '**attn**'); sites are listed by "
                     "sdcguard.list_sites(fn, *args); ABFTConfig(allow_unmatched=True) accepts "
                     "patterns that match nothing here."
                 )

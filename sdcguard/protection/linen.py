@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 
 import flax.linen as nn
@@ -143,6 +144,19 @@ def _collection_error(module: nn.Module, collection: str, what: str) -> ValueErr
     )
 
 
+def _warn_counts_dropped(module: nn.Module) -> None:
+    """Warns (once per process: Python's default warning filter) that a protected layer runs
+    without ``mutable=["sdc"]``: its faults are corrected, but their counts are lost."""
+    warnings.warn(
+        "a protected attention layer was applied without mutable=['sdc']: faults are still "
+        "corrected, but their counts are thrown away (no report, nothing for the update "
+        "guard). Apply with model.apply(variables, ..., mutable=['sdc']) and read "
+        "sdcguard.protection.linen.site_counts(state['sdc']).",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
 def record_counts(module: nn.Module, counts: jax.Array) -> None:
     """Adds ``counts`` ``[7, 4]`` to ``module``'s ``'sdc'`` collection when it is
     mutable (not while initializing: ``init`` returns Flax's collections only)."""
@@ -155,6 +169,7 @@ def record_counts(module: nn.Module, counts: jax.Array) -> None:
     if not mutable(module):
         if _dropped_by_transform(module, "sdc", mutable):
             raise _collection_error(module, "sdc", "forward counters")
+        _warn_counts_dropped(module)
         return
     var = module.variable("sdc", COUNTS, Counts.zeros, len(ATTENTION_SITES))
     var.value = var.value + counts

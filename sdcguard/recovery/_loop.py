@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import optax
 
 from sdcguard.guard import Triage, TriageEvent, find_guard_state, last_verdict, reason_names
 from sdcguard.recovery._checkpoints import CheckpointTier
@@ -53,6 +54,22 @@ class TrainState(NamedTuple):
     params: Any
     opt_state: Any
     rng: jax.Array
+
+    def apply_gradients(self, tx, grads, **extra) -> TrainState:
+        """The state after one update of ``tx`` (refused or not: ``step`` counts it).
+
+        Args:
+          tx: the optimizer (``refuse_corrupted(...)`` reads ``loss=`` and
+            ``abft_uncorrectable=`` from ``extra``).
+          grads: gradients, shaped like ``params``.
+          **extra: passed on to ``tx.update``.
+
+        Example:
+          >>> state = state.apply_gradients(tx, grads, loss=loss, abft_uncorrectable=unsafe)
+        """
+        updates, opt_state = tx.update(grads, self.opt_state, self.params, **extra)
+        params = optax.apply_updates(self.params, updates)
+        return self._replace(step=self.step + 1, params=params, opt_state=opt_state)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

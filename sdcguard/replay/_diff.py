@@ -49,6 +49,27 @@ def _ordered(bits: np.ndarray, nbits: int) -> np.ndarray:
     return np.where(i >= sign, sign - i, i)
 
 
+# The metrics of a compared tensor, in the order its dict holds them (after identical, size).
+_METRIC_NAMES = (
+    "mismatch_frequency",
+    "mismatch_severity",
+    "max_abs_diff",
+    "max_ulp",
+    "noise_to_signal",
+    "cosine",
+)
+
+
+def _metrics(identical: bool, size: int, values, **extra) -> dict:
+    """``{identical, size, *_METRIC_NAMES, **extra}``; ``values`` in ``_METRIC_NAMES`` order."""
+    return {
+        "identical": identical,
+        "size": size,
+        **dict(zip(_METRIC_NAMES, values, strict=True)),
+        **extra,
+    }
+
+
 def tensor_metrics(a, b) -> dict:
     """Metrics of ``b`` against the reference ``a`` (same shape and dtype).
 
@@ -58,34 +79,17 @@ def tensor_metrics(a, b) -> dict:
     """
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape or a.dtype != b.dtype:
-        return {
-            "identical": False,
-            "size": int(a.size),
-            "mismatch_frequency": 1.0,
-            "mismatch_severity": math.inf,
-            "max_abs_diff": math.inf,
-            "max_ulp": math.inf,
-            "noise_to_signal": math.inf,
-            "cosine": math.nan,
-            "note": f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}",
-        }
+        worst = (1.0, math.inf, math.inf, math.inf, math.inf, math.nan)
+        note = f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+        return _metrics(False, int(a.size), worst, note=note)
     nbits = a.dtype.itemsize * 8
     uint = np.dtype(f"uint{nbits}") if a.dtype.kind in "fiub" else None
     ab = a.reshape(-1).view(uint) if uint is not None and a.dtype != bool else a.reshape(-1)
     bb = b.reshape(-1).view(uint) if uint is not None and b.dtype != bool else b.reshape(-1)
     mismatch = ab != bb
     count = int(mismatch.sum())
-    out = {"identical": count == 0, "size": int(a.size)}
     if count == 0:  # the common case: no arithmetic needed
-        return {
-            **out,
-            "mismatch_frequency": 0.0,
-            "mismatch_severity": 0.0,
-            "max_abs_diff": 0.0,
-            "max_ulp": 0.0,
-            "noise_to_signal": 0.0,
-            "cosine": 1.0,
-        }
+        return _same(int(a.size))
     fa = a.reshape(-1).astype(np.float64)
     fb = b.reshape(-1).astype(np.float64)
     with np.errstate(all="ignore"):
@@ -110,15 +114,10 @@ def tensor_metrics(a, b) -> dict:
             cosine = float(np.dot(fa, fb) / (norm_a * norm_b))
         else:
             cosine = math.nan
-    out.update(
-        mismatch_frequency=count / max(a.size, 1),
-        mismatch_severity=float(rel[mismatch].mean()) if count else 0.0,
-        max_abs_diff=float(d.max()) if count else 0.0,
-        max_ulp=max_ulp,
-        noise_to_signal=nsr,
-        cosine=cosine,
-    )
-    return out
+    frequency = count / max(a.size, 1)
+    severity = float(rel[mismatch].mean()) if count else 0.0
+    max_abs = float(d.max()) if count else 0.0
+    return _metrics(False, int(a.size), (frequency, severity, max_abs, max_ulp, nsr, cosine))
 
 
 @dataclasses.dataclass
@@ -289,16 +288,7 @@ def compare_traces(a: Trace, b: Trace, *, allow_mismatch: bool = False) -> Compa
 
 
 def _same(size: int) -> dict:
-    return {
-        "identical": True,
-        "size": size,
-        "mismatch_frequency": 0.0,
-        "mismatch_severity": 0.0,
-        "max_abs_diff": 0.0,
-        "max_ulp": 0.0,
-        "noise_to_signal": 0.0,
-        "cosine": 1.0,
-    }
+    return _metrics(True, size, (0.0, 0.0, 0.0, 0.0, 0.0, 1.0))
 
 
 # Where a trace holds an input's values: the free run's first step, or the inputs a node
@@ -328,13 +318,8 @@ def _input_rows(a: Trace, b: Trace, hashes_a: dict, hashes_b: dict) -> list[Row]
         if va is not None and vb is not None:
             metrics = tensor_metrics(va, vb)
         else:
-            unknown = ("mismatch_frequency", "mismatch_severity", "max_abs_diff", "max_ulp")
-            metrics = {
-                "identical": False,
-                "size": -1,
-                **dict.fromkeys((*unknown, "noise_to_signal", "cosine"), math.nan),
-                "note": "hashes differ; the values are not in both traces",
-            }
+            note = "hashes differ; the values are not in both traces"
+            metrics = _metrics(False, -1, (math.nan,) * len(_METRIC_NAMES), note=note)
         metrics["identical"] = False  # the hashes differ (dtype, shape or bytes)
         rows.append(Row("inputs", key, "-", "-", metrics))
     return rows

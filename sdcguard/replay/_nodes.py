@@ -29,7 +29,10 @@ from sdcguard.replay._trace import TraceError
 
 _HOST = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 DEFAULT_REMOTE_COMMAND = "sdcguard"
-DEFAULT_TIMEOUT = 3600.0  # seconds per node: compilation of a large model included
+# Seconds a node may take (start-up and compilation included): long enough for the reference
+# models, short enough that a hung node fails a batch job within minutes; raise it for a large
+# model. The progress shows what each node is doing meanwhile.
+DEFAULT_TIMEOUT = 900.0
 
 Progress = Callable[[str, int, int], None]  # progress(phase, done, total)
 Log = Callable[[str], None]  # one line a node printed
@@ -128,14 +131,19 @@ def check_nodes(names: Sequence[str], launch: Launch) -> list[Node]:
     return parsed
 
 
-def remote_argv(remote_command: str) -> list[str]:
+def _split(text: str, what: str) -> list[str]:
+    """``text`` split like a shell would; NodeError naming ``what`` if it cannot or is empty."""
     try:
-        parts = shlex.split(remote_command)
+        parts = shlex.split(text)
     except ValueError as e:
-        raise NodeError(f"bad --remote-command {remote_command!r}: {e}") from None
+        raise NodeError(f"bad {what} {text!r}: {e}") from None
     if not parts:
-        raise NodeError("empty --remote-command")
+        raise NodeError(f"empty {what}")
     return parts
+
+
+def remote_argv(remote_command: str) -> list[str]:
+    return _split(remote_command, "--remote-command")
 
 
 def record_argv(options: RecordOptions, *, reference: bool, token: str = "") -> list[str]:
@@ -171,12 +179,7 @@ def launcher_argv(template: str, node: str, command: list[str]) -> list[str]:
     never more than part of one argument). ``ssh`` runs its arguments through the remote shell,
     so for it the command is quoted.
     """
-    try:
-        parts = shlex.split(template)
-    except ValueError as e:
-        raise NodeError(f"bad --launcher template {template!r}: {e}") from None
-    if not parts:
-        raise NodeError("empty --launcher template")
+    parts = _split(template, "--launcher template")
     if not any("{node}" in p for p in parts):
         raise NodeError(
             f"--launcher template {template!r} must contain {{node}} (where the host name "

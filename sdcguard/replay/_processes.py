@@ -182,6 +182,8 @@ def run_process(
         raise NodeError(f"node {name}: cannot start {argv[0]!r}: {e}") from None
     if processes is not None:
         processes.add(proc)
+    if progress is not None:
+        progress("launched", 0, 1)
     tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
     timed_out = threading.Event()
     threads = [threading.Thread(target=_read_stderr, args=(proc, tail, progress, log), daemon=True)]

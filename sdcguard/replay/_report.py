@@ -6,6 +6,8 @@ import contextlib
 import math
 import os
 import sys
+import threading
+import time
 from typing import TYPE_CHECKING
 
 from sdcguard._console import make_console, write_json as write_json_file
@@ -60,7 +62,8 @@ def write_doc(doc: dict, path: str) -> None:
 
 
 def render(comparison: Comparison, console: Console | None = None) -> None:
-    """Prints the comparison: summary, per-submodule table, step and trajectory tables."""
+    """Prints the comparison: one line when identical, else the per-submodule table, the
+    divergent tensors of each level, the trajectory and the first divergence."""
     from rich.table import Table
 
     console = console or make_console()
@@ -70,6 +73,14 @@ def render(comparison: Comparison, console: Console | None = None) -> None:
         console.print("[yellow]fingerprints differ (compared anyway, --allow-mismatch):")
         for d in c.fingerprint_differences:
             console.print(f"  [yellow]{d}")
+    if first is None:  # nothing to tabulate: one line
+        steps = len(c.trajectory["step"]) if c.trajectory else 0
+        console.print(
+            f"[bold green]identical: every compared tensor is bit-identical ({len(c.rows)} "
+            f"tensors; levels {', '.join(c.levels)}" + (f"; {steps} steps" if steps else "") + ")",
+            highlight=False,
+        )
+        return
     if "submodule" in c.levels:
         mode = "lock-step" if c.lockstep else "free-running (B was not lock-stepped to A)"
         table = Table(title=f"submodule level ({mode})")
@@ -144,17 +155,14 @@ def render(comparison: Comparison, console: Console | None = None) -> None:
                 _fmt(t["grad_noise_to_signal_synced"][i]) if synced else "-",
             )
         console.print(table)
-    if first is None:
-        console.print("[bold green]identical: every compared tensor is bit-identical")
-    else:
-        console.print(f"[bold red]first divergence: {describe(first)}", highlight=False)
-        if first.level == "inputs":
-            console.print(
-                "[red]node B computed different inputs from the same task, code and "
-                "environment (parameters as initialised or restored, optimizer state or "
-                "batches): a finding about the node, not a configuration error",
-                highlight=False,
-            )
+    console.print(f"[bold red]first divergence: {describe(first)}", highlight=False)
+    if first.level == "inputs":
+        console.print(
+            "[red]node B computed different inputs from the same task, code and "
+            "environment (parameters as initialised or restored, optimizer state or "
+            "batches): a finding about the node, not a configuration error",
+            highlight=False,
+        )
 
 
 def describe(row) -> str:
@@ -254,11 +262,16 @@ def write_plots(comparison: Comparison, out_dir: str) -> list[str]:
     return paths
 
 
+# Off a terminal, the seconds between two "waiting" lines naming what each node is doing.
+HEARTBEAT_S = 30.0
+
+
 @contextlib.contextmanager
 def node_progress(log_lines: bool = True):
     """``progress(node, phase, done, total)`` and ``log(node, line)`` drawing on stderr.
 
-    Off a terminal: a line per finished node (and the nodes' lines if ``log_lines``), no bars.
+    Off a terminal: a line per node and phase (and the nodes' lines if ``log_lines``), no bars,
+    and every :data:`HEARTBEAT_S` seconds a line naming the nodes still running.
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -266,16 +279,8 @@ def node_progress(log_lines: bool = True):
 
     console = Console(stderr=True)
     if not console.is_terminal:
-
-        def line(node: str, phase: str, done: int, total: int) -> None:
-            if phase in ("done", "failed"):
-                print(f"{node}: {phase}", file=sys.stderr, flush=True)
-
-        def echo(node: str, text: str) -> None:
-            if log_lines:
-                print(f"[{node}] {text}", file=sys.stderr, flush=True)
-
-        yield line, echo
+        with _plain_progress(log_lines) as (line, echo):
+            yield line, echo
         return
     tasks: dict[str, int] = {}
     columns = (
@@ -296,3 +301,44 @@ def node_progress(log_lines: bool = True):
                 bar.console.print(Text(f"[{node}] {line}", style="dim"))
 
         yield update, log
+
+
+@contextlib.contextmanager
+def _plain_progress(log_lines: bool):
+    """:func:`node_progress` off a terminal: lines, and a heartbeat thread."""
+    start = time.monotonic()
+    running: dict[str, str] = {}  # node -> its phase, while it runs
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def line(node: str, phase: str, done: int, total: int) -> None:
+        with lock:
+            if phase in ("done", "failed"):
+                running.pop(node, None)
+            elif running.get(node) == phase:
+                return
+            else:
+                running[node] = phase
+        say(f"{node}: {phase}")
+
+    def echo(node: str, text: str) -> None:
+        if log_lines:
+            say(f"[{node}] {text}")
+
+    def heartbeat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            with lock:
+                nodes = ", ".join(f"{n} ({p})" for n, p in running.items())
+            if nodes:
+                say(f"waiting ({time.monotonic() - start:.0f} s): {nodes}")
+
+    thread = threading.Thread(target=heartbeat, daemon=True)
+    thread.start()
+    try:
+        yield line, echo
+    finally:
+        stop.set()
+        thread.join(timeout=1)

@@ -176,15 +176,10 @@ class ProtectedStep:
             with faults(None if plan is None else plan.at_step(state.step)):
                 ((loss, aux), grads), report = checked(grad_fn, abft)(state.params, batch)
         counts = total(report)
-        updates, opt_state = self.tx.update(
-            grads,
-            state.opt_state,
-            state.params,
-            loss=loss,
-            abft_uncorrectable=unsafe_checks(counts),
+        new_state = state.apply_gradients(
+            self.tx, grads, loss=loss, abft_uncorrectable=unsafe_checks(counts)
         )
-        params = optax.apply_updates(state.params, updates)
-        new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state)
+        opt_state = new_state.opt_state
         out = StepOutput(
             loss=loss,
             aux=aux,

@@ -338,3 +338,45 @@ def test_campaign_output_in_a_log_is_whole(tmp_path, monkeypatch):
     for column in ("detected", "corrected", "uncorrectable"):
         assert column in header
     assert "trials: 2/2 (100%)" in text or "abft: 2/2 (100%)" in text
+
+
+def test_a_capped_campaign_samples_protections_and_kinds_evenly(tmp_path):
+    config = tiny(
+        tmp_path,
+        protections=("off", "abft", "abft+guard"),
+        kinds=("inf", "-inf", "nan", "near_inf", "bitflip"),
+    )
+    order = list(campaign.grid(config))
+    assert len(order) == len(set(order)) == 3 * 3 * 5 * 2  # the whole grid, each trial once
+    first = order[:12]  # what --max-trials 12 runs
+    assert [sum(t[0] == p for t in first) for p in config.protections] == [4, 4, 4]
+    kinds = [sum(t[2] == k for t in first) for k in config.kinds]
+    assert max(kinds) - min(kinds) <= len(config.protections) and sum(k > 0 for k in kinds) >= 4
+    # Every fault runs under every protection, one after the other.
+    assert [t[0] for t in order[:3]] == list(config.protections)
+    assert len({t[1:] for t in order[:3]}) == 1
+    first_30 = order[:30]
+    assert all(
+        sum(t[0] == p and t[2] == k for t in first_30) == 2
+        for p in config.protections
+        for k in config.kinds
+    )
+
+
+def test_capped_run_counts_its_own_trials(tmp_path):
+    config = tiny(tmp_path, fp_steps=0, propagation_trials=0)
+    console = quiet()
+    run_campaign(config, console, max_trials=4)
+    text = console.file.getvalue()
+    total = len(list(campaign.grid(config)))
+    assert f"running 4 of the {total} trials left (--max-trials)" in text
+    assert f"/{total}" not in text  # the progress counts the 4 trials this run makes
+    records = load_results(config.out / "trials.jsonl")
+    assert {r["protection"] for r in records.values()} == {"off", "abft"}
+
+
+def test_summary_tells_a_pip_user_where_the_recovery_benchmark_is(tmp_path):
+    from sdcguard.campaign._report import _recovery_text
+
+    text = " ".join(_recovery_text(tmp_path / "bench_recovery.json"))
+    assert "source repository" in text and "not installed by pip" in text

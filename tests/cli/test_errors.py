@@ -202,8 +202,10 @@ def test_node_timeout_kills_its_process_group(tmp_path, capsys):
     launcher = f"sh -c 'echo $$ > {pidfile}; sleep 60; : {{node}}'"
     argv = ["compare", "--task", TINY, "--node-a", "n1", "--node-b", "n2", "--launcher", launcher]
     assert command.main([*argv, "--timeout", "1", "--out", str(tmp_path / "out")]) == 2
-    line = _one_error_line(capsys.readouterr().err)
+    err = capsys.readouterr().err
+    line = _error_line(err)
     assert "node n1: no trace within 1 s (--timeout)" in line
+    assert err.splitlines()[0] == "n1: launched"  # the progress said what it waited for
     with pytest.raises(ProcessLookupError):
         os.kill(int(pidfile.read_text()), 0)  # the launcher (and its sleep) are gone
     assert os.listdir(tmp_path / "out" / "traces") == []
@@ -218,9 +220,11 @@ def test_unwritable_outputs_exit_2_before_anything_runs(tmp_path, no_node_runs, 
     base = ["compare", "--task", TINY]
     for argv, message in (
         ([*base, "--json", str(tmp_path)], "is a directory; give a file name"),
-        ([*base, "--json", str(afile / "r.json")], "does not exist"),
+        # A file where a directory should be is named as such, not called missing.
+        ([*base, "--json", str(afile / "r.json")], f"{str(afile)!r} is a file, not a directory"),
+        ([*base, "--json", str(tmp_path / "no" / "r.json")], "does not exist"),
         ([*base, "--out", str(afile)], "exists and is not a directory"),
-        ([*base, "--out", str(afile / "sub")], "cannot create it"),
+        ([*base, "--out", str(afile / "sub")], f"{str(afile)!r} is a file, not a directory"),
         ([*base, "--json", "/proc/r.json"], "cannot write in '/proc'"),
     ):
         assert command.main(argv) == 2

@@ -13,7 +13,7 @@ import pytest
 
 import sdcguard
 from sdcguard.fault_model import Fault, FaultPlan
-from sdcguard.protection import ABFTConfig, checked_einsum, command_buffer_options
+from sdcguard.protection import ABFTConfig, checked_einsum
 from sdcguard.protection._checks import repair_strategy
 
 from tests.helpers.tolerances import assert_close
@@ -121,22 +121,11 @@ def test_the_compiled_control_flow_of_each_strategy():
     assert _control_flow("while") == {"conditional": 0, "while": 1}
 
 
-def test_auto_resolves_to_branch_free_and_unknown_strategies_are_refused():
-    assert repair_strategy(ABFTConfig()) == "branch_free"
-    assert repair_strategy(ABFTConfig(repair="cond")) == "cond"
+def test_auto_resolves_per_backend_and_unknown_strategies_are_refused():
+    assert repair_strategy(ABFTConfig(), "cpu") == "branch_free"
+    assert repair_strategy(ABFTConfig(), "gpu") == "cond"
+    assert repair_strategy(ABFTConfig(), "cuda") == "cond"
+    assert repair_strategy(ABFTConfig(repair="while"), "gpu") == "while"
+    assert repair_strategy(ABFTConfig(repair="cond"), "cpu") == "cond"
     with pytest.raises(ValueError, match="repair must be one of"):
         ABFTConfig(repair="sometimes")
-
-
-def test_command_buffer_options_compile_on_every_backend():
-    """The options name XLA's own command types (an unknown one fails to compile)."""
-    options = command_buffer_options()
-    assert options["xla_gpu_enable_command_buffer"].split(",")[-2:] == ["CONDITIONAL", "WHILE"]
-    f = lambda x: jax.lax.cond(x.sum() > 0, lambda y: 2 * y, lambda y: y, x)
-    for opts in (options, command_buffer_options(conditionals=False)):
-        out = jax.jit(f, compiler_options=opts)(jnp.ones(3))
-        np.testing.assert_array_equal(out, [2.0, 2.0, 2.0])
-    with pytest.raises(Exception, match="not a valid enum value"):
-        jax.jit(f).lower(jnp.ones(3)).compile(
-            compiler_options={"xla_gpu_enable_command_buffer": "FUSION,CONDITIONALS"}
-        )

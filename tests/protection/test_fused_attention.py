@@ -250,7 +250,7 @@ def test_list_sites_shows_the_kernel_and_directions():
     assert sites[at + "context"].out_shape == (B, T, H, D)
     assert all(s.checked and "flash" in s.implementation for s in sites.values()), sites
     # Selection works per site; the two gradient sites of one product are checked together.
-    config = sdcguard.ABFTConfig(exclude=("*scores.grad_rhs",))
+    config = sdcguard.ABFTConfig(exclude=("**scores.grad_rhs",))
     sites = {s.name: s for s in sdcguard.list_sites(grad_step, q, k, v, config=config)}
     assert not sites[at + "scores.grad_rhs"].checked
     assert not sites[at + "scores.grad_lhs"].checked

@@ -291,7 +291,7 @@ def test_forward_and_backward_select_gemms_by_direction():
 def test_attention_layer_fields_are_refused_by_checked_and_checked_fields_by_the_layers():
     with pytest.raises(ValueError, match=r"sites=.*drop-in attention layers.*include="):
         sdcguard.checked(mlp_step, ABFTConfig(sites=("scores",)))
-    layer = sl.MultiHeadDotProductAttention(num_heads=2, abft=ABFTConfig(include=("*attn*",)))
+    layer = sl.MultiHeadDotProductAttention(num_heads=2, abft=ABFTConfig(include=("**attn**",)))
     x = jnp.ones((1, 4, 8))
     with pytest.raises(ValueError, match=r"\['include'\] are read by sdcguard.checked only"):
         layer.init(jax.random.key(0), x)

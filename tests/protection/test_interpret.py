@@ -93,7 +93,7 @@ def test_while_cond_custom_vjp_and_vmap():
 
 
 def test_include_and_exclude_select_sites():
-    config = ABFTConfig(include=("*grad*",), exclude=("*grad_lhs",))
+    config = ABFTConfig(include=("**grad**",), exclude=("**grad_lhs",))
     sites = {s.name: s for s in list_sites(grad_step, W, X, config=config)}
     checked = {n for n, s in sites.items() if s.checked}
     assert checked == {"stack_loss/layer/<lambda>:dot_general.grad_rhs"}
@@ -103,7 +103,7 @@ def test_include_and_exclude_select_sites():
     _, report = jax.jit(sdcguard.checked(grad_step, config))(W, X)
     assert set(report) == checked
     with pytest.raises(TypeError, match="tuple of glob patterns"):
-        ABFTConfig(include="*attn*")
+        ABFTConfig(include="**attn**")
 
 
 def test_integer_gemms_pass_through_unchecked_and_are_listed():

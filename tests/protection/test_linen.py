@@ -1,6 +1,7 @@
 """Linen drop-ins: parity with Flax, protect(), and every site x kind in a training step."""
 
 import functools
+import warnings
 
 import flax.linen as nn
 import jax
@@ -263,3 +264,18 @@ def test_recompute_counts_a_fault_that_does_not_come_back_as_corrected():
 def test_unknown_repair_mode_is_refused():
     with pytest.raises(ValueError, match="repair must be one of"):
         TrainConfig(repair="rollback")
+
+
+def test_apply_without_mutable_sdc_warns_once():
+    # The fault is corrected either way; without mutable=["sdc"] its counts would vanish
+    # silently, so the first such call says so, naming the fix.
+    _, ours = make_pair()
+    x, _ = inputs()
+    variables = ours.init(jax.random.key(0), x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # what a user's process has
+        ours.apply(variables, x)
+        ours.apply(variables, x)
+        ours.apply(variables, x, mutable=["sdc"])  # counted: nothing to say
+    messages = [str(w.message) for w in caught if "mutable=['sdc']" in str(w.message)]
+    assert len(messages) == 1 and "thrown away" in messages[0]

@@ -52,16 +52,17 @@ def linen_case(num_layers=2, dtype="bfloat16"):
 
 
 CASES = {"gemma": gemma_case, "equinox": equinox_case, "linen": linen_case}
-# How each model writes layer i, and a pattern that selects layer 1 (fnmatch: ``[[]`` is ``[``).
+# How each model writes layer i, and a pattern that selects layer 1 (site grammar: ``*`` stays
+# within a path component).
 LAYER = {
     "gemma": "layers/{}/",
     "equinox": "layers[{}].",
     "linen": "decoder/encoderdecoderblock_{}/",
 }
 LAYER_1_PATTERN = {
-    "gemma": "*layers/1/*",
-    "equinox": "*layers[[]1].*",
-    "linen": "*encoderdecoderblock_1/*",
+    "gemma": "**layers/1/**",
+    "equinox": "**layers[1].**",
+    "linen": "**encoderdecoderblock_1/**",
 }
 
 

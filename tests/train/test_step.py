@@ -109,7 +109,8 @@ def test_aux_is_returned():
         out = model.apply({"params": p}, x)
         return jnp.mean(out**2), {"max": jnp.max(out)}
 
-    protected = protected_step(loss_fn, optax.sgd(0.1), has_aux=True)
+    protected = sdcguard.protected_step(loss_fn, optax.sgd(0.1), has_aux=True)
+    assert isinstance(protected, sdcguard.ProtectedStep)  # the top-level names
     _, out = protected(protected.init(params), x)
     assert set(out.aux) == {"max"} and out.aux["max"].shape == ()
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from sdcguard import fault_model
+from sdcguard._jax_compat import JAX_VERSION
 from sdcguard.protection._config import ABFTConfig
 from sdcguard.protection.pallas import flash_mgpu, flash_triton, matmul
 from sdcguard.protection.pallas._platform import as_h100, outside_gpu_interpret_mode
@@ -85,6 +86,28 @@ PROBES: dict[str, Callable[[], None]] = {
     "flash_triton": _probe_flash_triton,
     "matmul_mgpu": _probe_matmul_mgpu,
 }
+
+
+# Kernels that lower but fail when run on a GPU, by the first JAX version that fails: the
+# flash kernel under Lane semantics stops with CUDA_ERROR_ILLEGAL_ADDRESS on an H200 with
+# jax 0.11.2 (docs/pallas.md, "Supported JAX versions"). Interpret mode runs it correctly.
+FAILS_ON_GPU = {"flash_mgpu": (0, 11)}
+
+
+def fails_on_gpu(kernel: str) -> str | None:
+    """Why ``kernel`` is not run on a GPU with the installed JAX, though it lowers (None: it runs).
+
+    Example:
+      >>> fails_on_gpu("flash_mgpu")  # on jax 0.11 or newer
+      'flash_mgpu fails on a GPU with jax 0.11+ (CUDA_ERROR_ILLEGAL_ADDRESS, measured on an H200)'
+    """
+    first = FAILS_ON_GPU.get(kernel)
+    if first is None or first > JAX_VERSION:
+        return None
+    return (
+        f"{kernel} fails on a GPU with jax {first[0]}.{first[1]}+ "
+        "(CUDA_ERROR_ILLEGAL_ADDRESS, measured on an H200)"
+    )
 
 
 @functools.cache

@@ -411,6 +411,8 @@ def _choose_kernel(
         reason = "no Hopper GPU (and not under GPU interpret mode)"
     if reason is None:
         reason = _availability.kernel_unavailable("flash_mgpu")
+    if reason is None and not interpreting():
+        reason = _availability.fails_on_gpu("flash_mgpu")
     if reason is None:
         return KernelChoice("mosaic", None)
     if not interpret:

@@ -145,6 +145,54 @@ def _scores(st, s, qs, ks, tk, mask_tile, tq):
     return jnp.where((ks < tk)[None, :], s, -jnp.inf)
 
 
+def _split_refs(st, refs, tables):
+    """``(mask_ref or None, faults, output refs)`` from the refs after a kernel's operands: the
+    mask's (when there is one), two per present fault table, then the outputs'."""
+    mask_ref = None
+    if st.mask_shape is not None:
+        mask_ref, refs = refs[0], refs[1:]
+    faults, outs = _take_faults(refs, tables)
+    return mask_ref, faults, outs
+
+
+def _head_dim(ref, d: int):
+    """``(width, indices, real)``: the padded head dim of ``ref``, its indices, which are < d."""
+    dp = ref.shape[-1]
+    ds = jnp.arange(dp, dtype=jnp.int32)
+    return dp, ds, ds < d
+
+
+def _block(index, size: int, length: int):
+    """Global indices of block ``index`` of ``size`` rows, and which lie below ``length``."""
+    idx = index * size + jnp.arange(size, dtype=jnp.int32)
+    return idx, idx < length
+
+
+def _load_kv(k_ref, v_ref, kk, bk: int, tk: int, dvalid):
+    """Key block ``kk``: ``(ks, kvalid, k, v)``, zero outside the keys and the head dim."""
+    ks, kvalid = _block(kk, bk, tk)
+    kv_mask = kvalid[:, None] & dvalid[None, :]
+    kb = plgpu.load(k_ref.at[pl.ds(kk * bk, bk), :], mask=kv_mask, other=0)
+    vb = plgpu.load(v_ref.at[pl.ds(kk * bk, bk), :], mask=kv_mask, other=0)
+    return ks, kvalid, kb, vb
+
+
+def _load_mask(mask_ref, block, size: int, axis: int, qv, kvalid):
+    """The mask tile of block ``block`` of ``size`` along ``axis`` (0: queries, 1: keys), zero
+    outside the matrix; None without a mask."""
+    if mask_ref is None:
+        return None
+    at = [slice(None), slice(None)]
+    at[axis] = pl.ds(block * size, size)
+    return plgpu.load(mask_ref.at[tuple(at)], mask=qv[:, None] & kvalid[None, :], other=0)
+
+
+def _key_blocks(st, iq, bq: int, bk: int, tk: int):
+    """How many key blocks query block ``iq`` visits: all, or causal up to the diagonal."""
+    n_k = cdiv(tk, bk)
+    return jnp.minimum(lax.div((iq + 1) * bq + bk - 1, bk), n_k) if st.causal else n_k
+
+
 def _take_faults(refs, tables):
     """Splits the trailing fault refs per site (two per present table)."""
     out, i = {}, 0
@@ -203,19 +251,11 @@ def _checked_dot(st, check, a, b, *, k, faults=None, site=None, **where):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: Settings, tq, tk, d, tables):
-    bs = st.block_sizes
-    bq, bk = bs.block_q, bs.block_k
-    if st.mask_shape is not None:
-        mask_ref, refs = refs[0], refs[1:]
-    else:
-        mask_ref = None
-    faults, (o_ref, lse_ref, flags_ref) = _take_faults(refs, tables)
+    bq, bk = st.block_sizes.block_q, st.block_sizes.block_k
+    mask_ref, faults, (o_ref, lse_ref, flags_ref) = _split_refs(st, refs, tables)
     b, h, iq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    dp = q_ref.shape[-1]
-    ds = jnp.arange(dp, dtype=jnp.int32)
-    dv = ds < d
-    qs = iq * bq + jnp.arange(bq, dtype=jnp.int32)
-    qv = qs < tq
+    dp, ds, dv = _head_dim(q_ref, d)
+    qs, qv = _block(iq, bq, tq)
     q = plgpu.load(q_ref, mask=qv[:, None] & dv[None, :], other=0)
     cfg = st.config
     chk_s, chk_p, chk_c = (cfg.checks(s) for s in FORWARD_SITES)
@@ -224,18 +264,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: Settings, tq, tk, d, tables):
 
     def body(kk, carry):
         acc, m_prev, l_prev, flags = carry
-        ks = kk * bk + jnp.arange(bk, dtype=jnp.int32)
-        kvalid = ks < tk
-        kv_mask = kvalid[:, None] & dv[None, :]
-        kb = plgpu.load(k_ref.at[pl.ds(kk * bk, bk), :], mask=kv_mask, other=0)
-        vb = plgpu.load(v_ref.at[pl.ds(kk * bk, bk), :], mask=kv_mask, other=0)
+        ks, kvalid, kb, vb = _load_kv(k_ref, v_ref, kk, bk, tk, dv)
         s, f_s = _checked_dot(st, chk_s, q, kb.T, k=d, faults=faults, site="scores", c0=b, c1=h,
                               rows=qs, cols=ks)  # fmt: skip
-        mask_tile = None
-        if mask_ref is not None:
-            mask_tile = plgpu.load(
-                mask_ref.at[:, pl.ds(kk * bk, bk)], mask=qv[:, None] & kvalid[None, :], other=0
-            )
+        mask_tile = _load_mask(mask_ref, kk, bk, 1, qv, kvalid)
         s = _scores(st, s, qs, ks, tk, mask_tile, tq)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         alpha = jnp.exp(m_prev - m_next)
@@ -281,8 +313,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: Settings, tq, tk, d, tables):
         flags = jnp.maximum(flags, _flags(f_s, f_p, f_c))
         return acc, m_next, l_next, flags
 
-    n_k = cdiv(tk, bk)
-    upper = jnp.minimum(lax.div((iq + 1) * bq + bk - 1, bk), n_k) if st.causal else n_k
+    upper = _key_blocks(st, iq, bq, bk, tk)
     init = (
         jnp.zeros((bq, dp), jnp.float32),
         jnp.full((bq,), -jnp.inf, jnp.float32),
@@ -300,6 +331,13 @@ def _qkv_spec(block, dp, along_grid: bool):
     if along_grid:
         return pl.BlockSpec((None, block, None, dp), lambda b, h, i: (b, i, h, 0))
     return pl.BlockSpec((None, block, None, dp), lambda b, h, i: (b, 0, h, 0))
+
+
+def _row_spec(block, along_grid: bool):
+    """A ``[B, H, T]`` float32 operand or output (lse, delta)."""
+    if along_grid:
+        return pl.BlockSpec((None, None, block), lambda b, h, i: (b, h, i))
+    return pl.BlockSpec((None, None, block), lambda b, h, i: (b, h, 0))
 
 
 def _mask_spec(st, rows, cols, row_axis: bool):
@@ -322,6 +360,46 @@ def _table_specs(tables):
     return specs, ops
 
 
+def _launch(
+    kernel,
+    st: Settings,
+    q,
+    k,
+    mask,
+    tables,
+    *,
+    blocks,
+    operands,
+    in_specs,
+    mask_block,
+    out_specs,
+    out_shape,
+    name,
+):
+    """Runs ``kernel`` on the grid ``(B, H, blocks)``.
+
+    Inputs: ``operands``, the mask (tiled by ``_mask_spec(st, *mask_block)``) when there is
+    one, then the fault ``tables``; outputs: ``out_specs``/``out_shape``, then int32
+    ``[B, H, blocks, 8]`` flags.
+    """
+    bsz, tq, heads, d = q.shape
+    if mask is not None:
+        in_specs = [*in_specs, _mask_spec(st, *mask_block)]
+        operands = [*operands, mask]
+    t_specs, t_ops = _table_specs(tables)
+    bs = st.block_sizes
+    return pl.pallas_call(
+        functools.partial(kernel, st=st, tq=tq, tk=k.shape[1], d=d, tables=tables),
+        grid=(bsz, heads, blocks),
+        in_specs=in_specs + t_specs,
+        out_specs=[*out_specs, pl.BlockSpec((None, None, None, 8), lambda b, h, i: (b, h, i, 0))],
+        out_shape=[*out_shape, jax.ShapeDtypeStruct((bsz, heads, blocks, 8), jnp.int32)],
+        interpret=st.interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        name=name,
+    )(*operands, *t_ops)
+
+
 def forward(st: Settings, q, k, v, mask, tables: Tables):
     """The forward kernel: ``(out, lse, counts)`` as
     :func:`~sdcguard.protection.pallas.flash_forward` returns them.
@@ -339,30 +417,18 @@ def forward(st: Settings, q, k, v, mask, tables: Tables):
     nq = cdiv(tq, bq)
     tkp = cdiv(tk, bk) * bk
     tables = {name: tables.get(name) for name in FORWARD_SITES}
-    in_specs = [_qkv_spec(bq, dp, True), _qkv_spec(tkp, dp, False), _qkv_spec(tkp, dp, False)]
-    operands = [q, k, v]
-    if mask is not None:
-        in_specs.append(_mask_spec(st, bq, tkp, True))
-        operands.append(mask)
-    t_specs, t_ops = _table_specs(tables)
-    out, lse, flags = pl.pallas_call(
-        functools.partial(_fwd_kernel, st=st, tq=tq, tk=tk, d=d, tables=tables),
-        grid=(bsz, heads, nq),
-        in_specs=in_specs + t_specs,
-        out_specs=[
-            _qkv_spec(bq, dp, True),
-            pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
-            pl.BlockSpec((None, None, None, 8), lambda b, h, i: (b, h, i, 0)),
-        ],
+    out, lse, flags = _launch(
+        _fwd_kernel, st, q, k, mask, tables, blocks=nq,
+        operands=[q, k, v],
+        in_specs=[_qkv_spec(bq, dp, True), _qkv_spec(tkp, dp, False), _qkv_spec(tkp, dp, False)],
+        mask_block=(bq, tkp, True),
+        out_specs=[_qkv_spec(bq, dp, True), _row_spec(bq, True)],
         out_shape=[
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((bsz, heads, tq), jnp.float32),
-            jax.ShapeDtypeStruct((bsz, heads, nq, 8), jnp.int32),
         ],
-        interpret=st.interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         name="checked_flash_attention_fwd",
-    )(*operands, *t_ops)
+    )  # fmt: skip
     counts = jnp.stack([matrix_counts(flags[..., 2 * i : 2 * i + 2], axis=2) for i in range(3)])
     return out, lse, counts
 
@@ -382,19 +448,11 @@ def _bwd_common(st, q, kb, vb, do, lse, delta, qs, ks, tq, tk, mask_tile, chk_s,
 def _dkdv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st, tq, tk, d, tables
 ):  # fmt: skip
-    bs = st.block_sizes
-    bq, bk = bs.block_q_dkv, bs.block_k_dkv
-    if st.mask_shape is not None:
-        mask_ref, refs = refs[0], refs[1:]
-    else:
-        mask_ref = None
-    faults, (dk_ref, dv_ref, flags_ref) = _take_faults(refs, tables)
+    bq, bk = st.block_sizes.block_q_dkv, st.block_sizes.block_k_dkv
+    mask_ref, faults, (dk_ref, dv_ref, flags_ref) = _split_refs(st, refs, tables)
     b, h, jk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    dp = k_ref.shape[-1]
-    ds = jnp.arange(dp, dtype=jnp.int32)
-    dvalid = ds < d
-    ks = jk * bk + jnp.arange(bk, dtype=jnp.int32)
-    kvalid = ks < tk
+    dp, ds, dvalid = _head_dim(k_ref, d)
+    ks, kvalid = _block(jk, bk, tk)
     kb = plgpu.load(k_ref, mask=kvalid[:, None] & dvalid[None, :], other=0)
     vb = plgpu.load(v_ref, mask=kvalid[:, None] & dvalid[None, :], other=0)
     cfg = st.config
@@ -404,18 +462,13 @@ def _dkdv_kernel(
 
     def body(iq, carry):
         dk, dv, flags = carry
-        qs = iq * bq + jnp.arange(bq, dtype=jnp.int32)
-        qv = qs < tq
+        qs, qv = _block(iq, bq, tq)
         row_mask = qv[:, None] & dvalid[None, :]
         q = plgpu.load(q_ref.at[pl.ds(iq * bq, bq), :], mask=row_mask, other=0)
         do = plgpu.load(do_ref.at[pl.ds(iq * bq, bq), :], mask=row_mask, other=0)
         lse = plgpu.load(lse_ref.at[pl.ds(iq * bq, bq)], mask=qv, other=0)
         delta = plgpu.load(delta_ref.at[pl.ds(iq * bq, bq)], mask=qv, other=0)
-        mask_tile = None
-        if mask_ref is not None:
-            mask_tile = plgpu.load(
-                mask_ref.at[pl.ds(iq * bq, bq), :], mask=qv[:, None] & kvalid[None, :], other=0
-            )
+        mask_tile = _load_mask(mask_ref, iq, bq, 0, qv, kvalid)
         p, f_s = _bwd_common(st, q, kb, vb, do, lse, delta, qs, ks, tq, tk, mask_tile, chk_s, d)
         pin = p.astype(do.dtype)
         first = iq == lower
@@ -448,19 +501,11 @@ def _dkdv_kernel(
 def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st, tq, tk, d, tables
 ):  # fmt: skip
-    bs = st.block_sizes
-    bq, bk = bs.block_q_dq, bs.block_k_dq
-    if st.mask_shape is not None:
-        mask_ref, refs = refs[0], refs[1:]
-    else:
-        mask_ref = None
-    faults, (dq_ref, flags_ref) = _take_faults(refs, tables)
+    bq, bk = st.block_sizes.block_q_dq, st.block_sizes.block_k_dq
+    mask_ref, faults, (dq_ref, flags_ref) = _split_refs(st, refs, tables)
     b, h, iq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    dp = q_ref.shape[-1]
-    ds = jnp.arange(dp, dtype=jnp.int32)
-    dvalid = ds < d
-    qs = iq * bq + jnp.arange(bq, dtype=jnp.int32)
-    qv = qs < tq
+    dp, ds, dvalid = _head_dim(q_ref, d)
+    qs, qv = _block(iq, bq, tq)
     row_mask = qv[:, None] & dvalid[None, :]
     q = plgpu.load(q_ref, mask=row_mask, other=0)
     do = plgpu.load(do_ref, mask=row_mask, other=0)
@@ -472,16 +517,8 @@ def _dq_kernel(
 
     def body(kk, carry):
         dq, flags = carry
-        ks = kk * bk + jnp.arange(bk, dtype=jnp.int32)
-        kvalid = ks < tk
-        kv_mask = kvalid[:, None] & dvalid[None, :]
-        kb = plgpu.load(k_ref.at[pl.ds(kk * bk, bk), :], mask=kv_mask, other=0)
-        vb = plgpu.load(v_ref.at[pl.ds(kk * bk, bk), :], mask=kv_mask, other=0)
-        mask_tile = None
-        if mask_ref is not None:
-            mask_tile = plgpu.load(
-                mask_ref.at[:, pl.ds(kk * bk, bk)], mask=qv[:, None] & kvalid[None, :], other=0
-            )
+        ks, kvalid, kb, vb = _load_kv(k_ref, v_ref, kk, bk, tk, dvalid)
+        mask_tile = _load_mask(mask_ref, kk, bk, 1, qv, kvalid)
         p, f_s = _bwd_common(st, q, kb, vb, do, lse, delta, qs, ks, tq, tk, mask_tile, chk_s, d)
         dpt, f_dp = _checked_dot(st, chk_c, do, vb.T, k=d, faults=faults, site="context.grad_lhs",
                                  c0=b, c1=h, rows=qs, cols=ks)  # fmt: skip
@@ -494,8 +531,7 @@ def _dq_kernel(
         flags = jnp.maximum(flags, _flags(f_sq, f_dp, (zero, zero)))
         return dq + dq_t, flags
 
-    n_k = cdiv(tk, bk)
-    upper = jnp.minimum(lax.div((iq + 1) * bq + bk - 1, bk), n_k) if st.causal else n_k
+    upper = _key_blocks(st, iq, bq, bk, tk)
     init = (jnp.zeros((bq, dp), jnp.float32), jnp.zeros((8,), jnp.int32))
     dq, flags = lax.fori_loop(0, upper, body, init)
     plgpu.store(dq_ref, dq.astype(dq_ref.dtype), mask=row_mask)
@@ -510,7 +546,7 @@ def backward(st: Settings, q, k, v, mask, tables: Tables, out, lse, do):
       st, q, k, v, mask: as :func:`forward`; out, lse: its outputs; do: ``d out``.
       tables: fault tables of the backward sites (coordinates batch, head, row, col).
     """
-    bsz, tq, heads, d = q.shape
+    _, tq, _, d = q.shape
     tk = k.shape[1]
     bs = st.block_sizes
     dp = max(16, next_pow2(d))
@@ -518,81 +554,40 @@ def backward(st: Settings, q, k, v, mask, tables: Tables, out, lse, do):
     delta = jnp.einsum(
         "bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32), precision="highest"
     )
-    params = plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+    operands = [q, k, v, do, lse, delta]
+
+    def in_specs(q_rows, kv_rows, along_queries: bool):
+        """Specs of ``operands``: the grid runs along the queries (dQ) or the keys (dK/dV)."""
+        q_spec = lambda: _qkv_spec(q_rows, dp, along_queries)
+        kv_spec = lambda: _qkv_spec(kv_rows, dp, not along_queries)
+        row_spec = lambda: _row_spec(q_rows, along_queries)
+        return [q_spec(), kv_spec(), kv_spec(), q_spec(), row_spec(), row_spec()]
 
     # dK, dV: a program per key block.
     bq, bk = bs.block_q_dkv, bs.block_k_dkv
-    nk = cdiv(tk, bk)
     tqp = cdiv(tq, bq) * bq
     kv_tables = {
         n: tables.get(n) for n in ("scores.grad_rhs", "context.grad_lhs", "context.grad_rhs")
     }
-    in_specs = [
-        _qkv_spec(tqp, dp, False),
-        _qkv_spec(bk, dp, True),
-        _qkv_spec(bk, dp, True),
-        _qkv_spec(tqp, dp, False),
-        pl.BlockSpec((None, None, tqp), lambda b, h, i: (b, h, 0)),
-        pl.BlockSpec((None, None, tqp), lambda b, h, i: (b, h, 0)),
-    ]
-    operands = [q, k, v, do, lse, delta]
-    if mask is not None:
-        in_specs.append(_mask_spec(st, tqp, bk, False))
-        operands.append(mask)
-    t_specs, t_ops = _table_specs(kv_tables)
-    dk, dv, flags_kv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, st=st, tq=tq, tk=tk, d=d, tables=kv_tables),
-        grid=(bsz, heads, nk),
-        in_specs=in_specs + t_specs,
-        out_specs=[
-            _qkv_spec(bk, dp, True),
-            _qkv_spec(bk, dp, True),
-            pl.BlockSpec((None, None, None, 8), lambda b, h, i: (b, h, i, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct((bsz, heads, nk, 8), jnp.int32),
-        ],
-        interpret=st.interpret,
-        compiler_params=params,
+    dk, dv, flags_kv = _launch(
+        _dkdv_kernel, st, q, k, mask, kv_tables, blocks=cdiv(tk, bk), operands=operands,
+        in_specs=in_specs(tqp, bk, False), mask_block=(tqp, bk, False),
+        out_specs=[_qkv_spec(bk, dp, True), _qkv_spec(bk, dp, True)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         name="checked_flash_attention_dkdv",
-    )(*operands, *t_ops)
+    )  # fmt: skip
 
     # dQ: a program per query block.
     bq, bk = bs.block_q_dq, bs.block_k_dq
-    nq = cdiv(tq, bq)
     tkp = cdiv(tk, bk) * bk
     q_tables = {n: tables.get(n) for n in ("scores.grad_lhs", "context.grad_lhs")}
-    in_specs = [
-        _qkv_spec(bq, dp, True),
-        _qkv_spec(tkp, dp, False),
-        _qkv_spec(tkp, dp, False),
-        _qkv_spec(bq, dp, True),
-        pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
-        pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
-    ]
-    operands = [q, k, v, do, lse, delta]
-    if mask is not None:
-        in_specs.append(_mask_spec(st, bq, tkp, True))
-        operands.append(mask)
-    t_specs, t_ops = _table_specs(q_tables)
-    dq, flags_q = pl.pallas_call(
-        functools.partial(_dq_kernel, st=st, tq=tq, tk=tk, d=d, tables=q_tables),
-        grid=(bsz, heads, nq),
-        in_specs=in_specs + t_specs,
-        out_specs=[
-            _qkv_spec(bq, dp, True),
-            pl.BlockSpec((None, None, None, 8), lambda b, h, i: (b, h, i, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((bsz, heads, nq, 8), jnp.int32),
-        ],
-        interpret=st.interpret,
-        compiler_params=params,
+    dq, flags_q = _launch(
+        _dq_kernel, st, q, k, mask, q_tables, blocks=cdiv(tq, bq), operands=operands,
+        in_specs=in_specs(bq, tkp, True), mask_block=(bq, tkp, True),
+        out_specs=[_qkv_spec(bq, dp, True)],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
         name="checked_flash_attention_dq",
-    )(*operands, *t_ops)
+    )  # fmt: skip
 
     both = jnp.concatenate([flags_kv, flags_q], axis=2)
     counts = jnp.stack(

@@ -277,35 +277,23 @@ def _kernel_path(
             safety=safety,
             faults=injected,
         )
+    # What the kernel and its reference both take.
+    kw = dict(
+        out_dtype=out_dtype,
+        block_sizes=bs,
+        correct=correct,
+        near_inf=float(near_inf),
+        num_faults=num_faults,
+    )
     if emulate and check:
-        c, status = matmul_mgpu.reference_kernel(
-            a_p,
-            b_p,
-            bc,
-            params,
-            out_dtype=out_dtype,
-            block_sizes=bs,
-            correct=correct,
-            near_inf=float(near_inf),
-            num_faults=num_faults,
-        )
+        c, status = matmul_mgpu.reference_kernel(a_p, b_p, bc, params, **kw)
     elif emulate:
         c, status = jnp.einsum("bmk,bkn->bmn", a_p, b_p, preferred_element_type=out_dtype), None
     else:
+        sms = _num_sms(interpret, batch * (mp // bs.cta_m) * (np_ // bs.tile_n))
         with _interpreting(interpret):
             c, status = matmul_mgpu.call_kernel(
-                a_p,
-                b_p,
-                bc,
-                params,
-                out_dtype=out_dtype,
-                block_sizes=bs,
-                check=check,
-                correct=correct,
-                near_inf=float(near_inf),
-                num_faults=num_faults,
-                num_sms=_num_sms(interpret, batch * (mp // bs.cta_m) * (np_ // bs.tile_n)),
-                interpret=interpret,
+                a_p, b_p, bc, params, check=check, num_sms=sms, interpret=interpret, **kw
             )
     if not check:
         return c[:, :m, :n], zero_counts()

@@ -47,6 +47,7 @@ def test_kernel_choice_and_what_the_mosaic_kernel_refuses():
         fa.flash_attention(q, k, v, kernel="cudnn")
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("kernel", ["flash_mgpu", "flash_triton", "matmul_mgpu"])
 def test_every_kernel_lowers_on_this_jax(kernel, fresh_probes):
     """Each kernel, a tiny instance with a fault plan, forward and backward, lowers for sm_90a
@@ -87,3 +88,22 @@ def test_auto_says_when_no_kernel_lowers(monkeypatch, fresh_probes):
 def test_kernel_unavailable_refuses_an_unknown_kernel():
     with pytest.raises(ValueError, match="flash_mgpu"):
         pallas.kernel_unavailable("cudnn")
+
+
+@pytest.mark.parametrize("jax_version, kernel", [((0, 10), "mosaic"), ((0, 11), "triton")])
+def test_on_a_gpu_auto_skips_the_mosaic_kernel_where_it_fails_at_run_time(
+    monkeypatch, fresh_probes, jax_version, kernel
+):
+    """On a Hopper GPU (simulated) with jax 0.11+, where the Mosaic GPU flash kernel lowers but
+    stops with an illegal address, ``auto`` takes Triton and says why; under jax 0.10 it runs."""
+    monkeypatch.setattr(fa, "on_hopper", lambda: True)
+    monkeypatch.setattr(fa, "interpreting", lambda: False)
+    monkeypatch.setattr(_availability, "JAX_VERSION", jax_version)
+    monkeypatch.setitem(_availability.PROBES, "flash_mgpu", lambda: None)
+    monkeypatch.setitem(_availability.PROBES, "flash_triton", lambda: None)
+    q, k, v = _mosaic_qkv(jnp.bfloat16)
+    choice = fa._choose_kernel("auto", q, k, v, None, fa.BlockSizes())
+    assert choice.kernel == kernel
+    if kernel == "triton":
+        assert "CUDA_ERROR_ILLEGAL_ADDRESS" in choice.reason
+        assert "jax 0.11+" in choice.reason

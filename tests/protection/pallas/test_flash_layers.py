@@ -345,6 +345,7 @@ def _lowered_for_cuda(f, *args) -> str:
     return lowered.as_text()
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("layer", ["linen", "nnx"])
 def test_protected_layer_lowers_for_cuda(layer):
     """The whole protected layer (every site checked) with implementation='pallas', forward

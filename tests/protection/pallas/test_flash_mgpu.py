@@ -253,6 +253,7 @@ def test_mosaic_refuses_causal_under_the_cuda_runtimes_ptxas_miscompiles(monkeyp
     assert flash_mgpu.unsupported(q, k, v, None, blocks, causal=True) is None
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_mosaic_kernel_lowers_for_sm90a(dtype):
     """Forward and backward (Mosaic GPU) lowered for CUDA from this CPU, as on an H100:

@@ -182,6 +182,7 @@ def test_detect_only_counts_uncorrectable():
     assert not np.isfinite(np.asarray(out)).all()
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_lowers_for_cuda_at_gpt_shapes(dtype):
     """Default block sizes, the reference GPT's attention (B 8, T 64, H 4, D 16), fwd + bwd."""

@@ -256,6 +256,7 @@ def _lower_for_h100(check: bool, plan):
         return jax.jit(f).trace(a, b, plan).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
 def test_kernel_lowers_for_sm90a(check):
     """Pallas -> Mosaic GPU dialect -> layout inference for sm_90 -> lowered MLIR that
@@ -267,6 +268,7 @@ def test_kernel_lowers_for_sm90a(check):
     assert ("checked_matmul" if check else "matmul") in text
 
 
+@pytest.mark.lowering
 def test_kernel_with_too_much_shared_memory_is_refused():
     too_deep = BlockSizes(tile_m=128, tile_n=256, max_concurrent_steps=6)
     from jax.sharding import AbstractDevice, AbstractMesh

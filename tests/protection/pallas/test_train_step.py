@@ -14,9 +14,9 @@ import optax
 import pytest
 
 from sdcguard.fault_model import Fault, FaultPlan
-from sdcguard.linen import backward_site_counts, site_counts
 from sdcguard.models import ByteBatches, GPTConfig
 from sdcguard.protection import ABFTConfig
+from sdcguard.protection.linen import backward_site_counts, site_counts
 from sdcguard.training import TrainConfig, make_train_step
 
 from tests.helpers.tolerances import assert_close
