@@ -280,10 +280,11 @@ def test_false_positives_of_unchecked_gemms_count_zero(tmp_path, monkeypatch):
     """A run whose GEMMs are all unchecked (as bf16 GEMMs were) counts 0 checked GEMMs, not
     the number of sites; a GEMM listed as checked that the step's report lacks is not counted
     either."""
+    from sdcguard import training
     from sdcguard.campaign import _studies as studies
 
     config = every_gemm(tmp_path)
-    real = studies.list_sites
+    real = training.list_sites  # what the studies list sites with
 
     def all_unchecked(*args, **kwargs):
         return [
@@ -291,9 +292,9 @@ def test_false_positives_of_unchecked_gemms_count_zero(tmp_path, monkeypatch):
             for s in real(*args, **kwargs)
         ]
 
-    monkeypatch.setattr(studies, "list_sites", all_unchecked)
+    monkeypatch.setattr(training, "list_sites", all_unchecked)
     fp = studies.false_positives(config, "fp32", 2)
-    monkeypatch.setattr(studies, "list_sites", real)
+    monkeypatch.setattr(training, "list_sites", real)
     n = len(studies.gemm_site_table(config, "fp32"))
     assert n > 0 and fp["checked_gemms"] == 0
     assert fp["unchecked_gemms"] == 2 * n and fp["why_unchecked"] == {"bfloat16 operands": 2 * n}
@@ -308,7 +309,7 @@ def test_false_positives_of_unchecked_gemms_count_zero(tmp_path, monkeypatch):
         sites = real(*args, **kwargs)
         return [*sites, dataclasses.replace(sites[0], name="nowhere/dense:dot_general")]
 
-    monkeypatch.setattr(studies, "list_sites", one_phantom)
+    monkeypatch.setattr(training, "list_sites", one_phantom)
     fp = studies.false_positives(config, "fp32", 2)
     assert fp["why_unchecked"] == {"listed as checked, absent from the report": 2}
 
