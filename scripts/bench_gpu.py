@@ -51,7 +51,8 @@ SIZES = {
     "tiny": (2, 64, 2, 128, 32, 2, 256),
 }
 GEMM_SHAPES = {"d1024": [(8192, 1024, 4096), (8192, 4096, 1024)], "tiny": [(256, 64, 128)]}
-# name -> what is checked ("in place" is ABFTConfig's default repair for the backend).
+# name -> what is checked ("in place" and "recompute" take ABFTConfig's default repair for the
+# backend: a cond on a GPU).
 VARIANTS = {
     "plain": None,
     "detect only": ABFTConfig(correct=False),
@@ -60,6 +61,7 @@ VARIANTS = {
     "in place, cond": ABFTConfig(repair="cond"),
     "in place, while": ABFTConfig(repair="while"),
     "recompute": ABFTConfig(recompute=True),
+    "recompute, while": ABFTConfig(recompute=True, repair="while"),
     "attention only, in place": ABFTConfig(include=("**attn**",), allow_unmatched=True),
 }
 BF16_VARIANTS = (
@@ -69,6 +71,7 @@ BF16_VARIANTS = (
     "in place, branch-free",
     "in place, cond",
     "recompute",
+    "recompute, while",
     "attention only, in place",
 )
 # fp32 (TF32) is timed for the variants the targets name.

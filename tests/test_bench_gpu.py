@@ -30,6 +30,55 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
     assert not out.exists()  # nothing measured, nothing written
 
 
+def test_forced_it_runs_end_to_end_at_the_tiny_size(tmp_path):
+    """``--force --size tiny`` (the GPU run's code on the CPU): the step timed, no alarm on a
+    clean step, the injected INFs corrected to the clean loss. The full run is ``slow``."""
+    out = tmp_path / "bench.json"
+    variants = ["plain", "in place", "recompute"]
+    run = subprocess.run(
+        [
+            *(sys.executable, str(SCRIPTS / "bench_gpu.py"), "--force", "--size", "tiny"),
+            *("--rounds", "1", "--dtypes", "bfloat16", "--no-gemms", "--variants", *variants),
+            *("--inject", "in place", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=SCRIPTS,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["failed"] == []
+    (lm,) = result["lm"]
+    assert lm["checked_sites"] == lm["sites"] > 0
+    assert set(lm["overheads"]) == set(variants)
+    assert set(lm["compile_s"]) == set(variants)
+    for counts in lm["clean_alarms"].values():
+        assert counts == [0, 0, 0, 0]
+    faults = lm["faults"]["in place"]
+    assert len(faults) == 2
+    for fault in faults.values():
+        assert fault["counts"] == [1, 1, 0, 0]
+        assert fault["loss"] == fault["clean_loss"]
+
+
+@pytest.mark.slow
+def test_forced_full_run_at_the_tiny_size(tmp_path):
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [
+            *(sys.executable, str(SCRIPTS / "bench_gpu.py"), "--force", "--size", "tiny"),
+            *("--rounds", "1", "--out", str(out), "--trace", str(tmp_path / "trace")),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=SCRIPTS,
+        timeout=1800,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert json.loads(out.read_text())["failed"] == []
+
+
 def _trace_summary():
     spec = importlib.util.spec_from_file_location("trace_summary", SCRIPTS / "trace_summary.py")
     module = importlib.util.module_from_spec(spec)

@@ -1,4 +1,4 @@
-"""What the ``sdcguard`` subcommands share: argument types, errors, output checks.
+"""What the ``sdcguard`` subcommands share: their parsers, argument types, errors, output checks.
 
 Argument types raise ``ArgumentTypeError`` messages that say what to give (argparse prefixes
 the flag); :func:`error` prints ``sdcguard: error: ...`` and returns the exit code.
@@ -14,6 +14,23 @@ import tempfile
 
 class UsageError(ValueError):
     """A command-line argument that cannot work (an output path that cannot be written...)."""
+
+
+def add_command(
+    subparsers, name: str, handler, help: str, description: str
+) -> argparse.ArgumentParser:
+    """Adds the subcommand ``name``; returns its parser.
+
+    Args:
+      subparsers: what ``ArgumentParser.add_subparsers`` returned.
+      name: the subcommand.
+      handler: parsed namespace -> exit code; what ``sdcguard name`` runs.
+      help: its line in ``sdcguard --help`` (as ``sdcguard.cli.HELP`` has it).
+      description: the text of ``sdcguard name --help``.
+    """
+    p = subparsers.add_parser(name, help=help, description=description)
+    p.set_defaults(handler=handler)
+    return p
 
 
 # --- Argument types ------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from sdcguard.campaign import (
     run_campaign,
 )
 from sdcguard.cli._args import (
+    add_command,
     check_output_dir,
     dtype_argument,
     error,
@@ -46,16 +47,25 @@ _dtype = dtype_argument(DTYPES)
 
 def register(subparsers) -> None:
     """Adds ``campaign`` to the ``sdcguard`` command line."""
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "campaign",
-        help="fault-injection campaign with/without protection",
-        description="Injects one fault per trial into real training, for every site x kind x "
-        "trial of the grid and every protection level, and reports harm, detection and "
-        "correction. Results are appended per trial to OUT/trials.jsonl: rerun the same "
-        "command to resume (after Ctrl-C, exit 130). Exit 2 on bad options (the error on "
-        "stderr, no traceback), among them an OUT holding trials of another grid.",
+        _main,
+        "fault-injection campaign with/without protection",
+        "Injects one fault per trial into real training, for every site x kind x trial of the "
+        "grid and every protection level, and reports harm, detection and correction. Results "
+        "are appended per trial to OUT/trials.jsonl: rerun the same command to resume (after "
+        "Ctrl-C, exit 130). Exit 2 on bad options (the error on stderr, no traceback), among "
+        "them an OUT holding trials of another grid.",
     )
     d = CampaignConfig()
+
+    def add_list(flag: str, nargs: str, default: tuple, what: str, **kind) -> None:
+        """A flag of several values (``kind``: their type or choices); ``default``: a tuple."""
+        p.add_argument(
+            flag, nargs=nargs, default=list(default), help=f"{what} (default: %(default)s)", **kind
+        )
+
     p.add_argument(
         "--out",
         type=Path,
@@ -103,13 +113,7 @@ def register(subparsers) -> None:
         + ", ".join(OUTPUT_GROUPS).replace("{stack}", "decoder|encoder")
         + ")",
     )
-    p.add_argument(
-        "--kinds",
-        nargs="+",
-        default=list(d.kinds),
-        choices=FAULT_KINDS,
-        help="fault kinds (default: %(default)s)",
-    )
+    add_list("--kinds", "+", d.kinds, "fault kinds", choices=FAULT_KINDS)
     p.add_argument(
         "--bits",
         type=integer,
@@ -151,20 +155,8 @@ def register(subparsers) -> None:
         help="computation dtype: fp32, bf16 or fp16 (float32, bfloat16, float16 also accepted; "
         "default %(default)s)",
     )
-    p.add_argument(
-        "--protection",
-        nargs="+",
-        choices=PROTECTIONS,
-        default=list(d.protections),
-        help="protection levels to run (default: %(default)s)",
-    )
-    p.add_argument(
-        "--fp-dtypes",
-        nargs="*",
-        type=_dtype,
-        default=list(d.fp_dtypes),
-        help="dtypes of the false-positive count (default: %(default)s)",
-    )
+    add_list("--protection", "+", d.protections, "protection levels to run", choices=PROTECTIONS)
+    add_list("--fp-dtypes", "*", d.fp_dtypes, "dtypes of the false-positive count", type=_dtype)
     p.add_argument(
         "--max-trials",
         type=positive_int,
@@ -178,7 +170,6 @@ def register(subparsers) -> None:
         help="print the sites of the model (every site, or those --sites and --output-sites "
         "select; with --model, --layers and --coverage as given) and exit",
     )
-    p.set_defaults(handler=_main)
 
 
 def check_bits(bits: list[int] | None, dtype: str) -> None:

@@ -7,38 +7,50 @@ import json
 from pathlib import Path
 
 from sdcguard._console import make_console
-from sdcguard.cli._args import check_output_dir, dtype_argument, error, positive_int
+from sdcguard.cli._args import (
+    add_command,
+    check_output_dir,
+    dtype_argument,
+    error,
+    positive_int,
+)
 from sdcguard.demo import DemoConfig, plot, print_result, run_demo
 from sdcguard.models import GPTConfig
 from sdcguard.training import COVERAGES, TrainConfig
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
+    """Adds ``demo`` to the ``sdcguard`` command line."""
+    p = add_command(
+        subparsers,
         "demo",
-        help="train with injected faults, with and without ABFT",
-        description="Trains the reference GPT three times on built-in data (clean; with seven "
-        "injected attention faults unprotected; the same faults under ABFT), prints the loss "
-        "curves and counters, writes OUT/demo.png and OUT/demo.json. Exit 2 on bad options.",
+        _main,
+        "train with injected faults, with and without ABFT",
+        "Trains the reference GPT three times on built-in data (clean; with seven injected "
+        "attention faults unprotected; the same faults under ABFT), prints the loss curves and "
+        "counters, writes OUT/demo.png and OUT/demo.json. Exit 2 on bad options.",
     )
-    p.add_argument(
-        "--steps",
-        type=positive_int,
-        default=DemoConfig.steps,
-        help="training steps per run (default: %(default)s; faults after the last are dropped)",
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=DemoConfig.out,
-        help="directory for demo.png and demo.json (default: %(default)s); checked first",
-    )
-    p.add_argument(
-        "--layers",
-        type=positive_int,
-        default=GPTConfig.num_layers,
-        help="transformer blocks of the reference GPT (default: %(default)s)",
-    )
+    for flag, kind, default, what in (
+        (
+            "--steps",
+            positive_int,
+            DemoConfig.steps,
+            "training steps per run (default: %(default)s; faults after the last are dropped)",
+        ),
+        (
+            "--out",
+            Path,
+            DemoConfig.out,
+            "directory for demo.png and demo.json (default: %(default)s); checked first",
+        ),
+        (
+            "--layers",
+            positive_int,
+            GPTConfig.num_layers,
+            "transformer blocks of the reference GPT (default: %(default)s)",
+        ),
+    ):
+        p.add_argument(flag, type=kind, default=default, help=what)
     p.add_argument(
         "--coverage",
         choices=COVERAGES,
@@ -54,7 +66,6 @@ def register(subparsers) -> None:
         help="computation dtype: float32 or bfloat16 (fp32, bf16 also accepted; default "
         "%(default)s)",
     )
-    p.set_defaults(handler=_main)
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ import threading
 
 from sdcguard._console import make_console, one_line
 from sdcguard.cli._args import (
+    add_command,
     check_output_dir,
     check_output_file,
     comma_list,
@@ -103,6 +104,18 @@ def _add_node_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _node_options(args) -> dict:
+    """The CompareOptions/ScanOptions fields set by :func:`_add_node_flags`' and
+    :func:`_add_output_flags`' flags."""
+    return dict(
+        launcher=args.launcher,
+        remote_command=args.remote_command,
+        timeout=args.timeout,
+        workdir=os.path.join(args.out, "traces") if args.out else None,
+        keep=args.keep,
+    )
+
+
 def _add_output_flags(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--json",
@@ -121,13 +134,15 @@ def _add_output_flags(p: argparse.ArgumentParser, what: str) -> None:
 
 def register(subparsers) -> None:
     """Adds ``record``, ``compare``, ``scan`` and ``sites`` to the ``sdcguard`` command line."""
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "record",
-        help="run a replay task here and write its trace",
-        description="Runs the task on this machine (deterministic XLA flags) and writes its "
-        "trace: every submodule's inputs and outputs of step 0, the steps' losses, gradients "
-        "and parameters, and the environment's fingerprint. compare and scan read such traces "
-        "(trace:DIR) and run this command on other nodes. Exit 0 written, 2 could not record.",
+        _handler(_record, "record"),
+        "run a replay task here and write its trace",
+        "Runs the task on this machine (deterministic XLA flags) and writes its trace: every "
+        "submodule's inputs and outputs of step 0, the steps' losses, gradients and parameters, "
+        "and the environment's fingerprint. compare and scan read such traces (trace:DIR) and "
+        "run this command on other nodes. Exit 0 written, 2 could not record.",
     )
     _add_run_flags(p)
     p.add_argument(
@@ -150,15 +165,16 @@ def register(subparsers) -> None:
         default="sdcguard",
         help="token marking the trace stream of --out - (set by compare and scan)",
     )
-    p.set_defaults(handler=_handler(_record, "record"))
 
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "compare",
-        help="replay a task on two nodes and diff them",
-        description="Runs the same training steps on a healthy node A and a suspect node B "
-        "(B lock-stepped to A's trace), compares every recorded tensor and names the first "
-        "submodule where they diverge. With no nodes given, compares this machine with itself "
-        "(a determinism check). Exit 0 identical, 1 B diverges from A, 2 could not compare.",
+        _handler(_compare, "compare"),
+        "replay a task on two nodes and diff them",
+        "Runs the same training steps on a healthy node A and a suspect node B (B lock-stepped "
+        "to A's trace), compares every recorded tensor and names the first submodule where they "
+        "diverge. With no nodes given, compares this machine with itself (a determinism check). "
+        "Exit 0 identical, 1 B diverges from A, 2 could not compare.",
     )
     _add_run_flags(p)
     p.add_argument("--node-a", default="local", help="healthy node (default: local)")
@@ -191,15 +207,16 @@ def register(subparsers) -> None:
         help="compare even if the environment fingerprints differ",
     )
     _add_output_flags(p, "exit_code, identical, first_divergence, one table per level")
-    p.set_defaults(handler=_handler(_compare, "compare"))
 
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "scan",
-        help="run the same step on many nodes and name those outside a bit-identical majority",
-        description="Runs the task on every node (in parallel), groups the nodes by what they "
-        "computed, and names the nodes outside a strict bit-identical majority as suspects, "
-        "each with its first divergence (lock-step rerun). Exit 0: all agree; 1: suspects; "
-        "2: no majority, or a node could not be compared.",
+        _handler(_scan, "scan"),
+        "run the same step on many nodes and name those outside a bit-identical majority",
+        "Runs the task on every node (in parallel), groups the nodes by what they computed, and "
+        "names the nodes outside a strict bit-identical majority as suspects, each with its "
+        "first divergence (lock-step rerun). Exit 0: all agree; 1: suspects; 2: no majority, or "
+        "a node could not be compared.",
     )
     _add_run_flags(p)
     p.add_argument(
@@ -213,14 +230,15 @@ def register(subparsers) -> None:
     p.add_argument("--jobs", type=integer, default=8, help="nodes run at a time (default: 8)")
     _add_node_flags(p)
     _add_output_flags(p, "status, exit_code, suspects, groups, one entry per node")
-    p.set_defaults(handler=_handler(_scan, "scan"))
 
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "sites",
-        help="list the sites of a replay task",
-        description="Prints every site of the task, one per line (what --inject, --inject-b "
-        "and --arm take), and on stderr the submodules that --sites patterns select among. "
-        "Traces the task only (nothing runs). Exit 0, or 2 if --match matches nothing.",
+        _handler(_sites, "sites"),
+        "list the sites of a replay task",
+        "Prints every site of the task, one per line (what --inject, --inject-b and --arm take), "
+        "and on stderr the submodules that --sites patterns select among. Traces the task only "
+        "(nothing runs). Exit 0, or 2 if --match matches nothing.",
     )
     p.add_argument(
         "--task",
@@ -232,7 +250,6 @@ def register(subparsers) -> None:
         metavar="PATTERN",
         help="list only the sites and submodules this --sites pattern matches (exit 2 if none)",
     )
-    p.set_defaults(handler=_handler(_sites, "sites"))
 
 
 def _record_options(args, **extra):
@@ -419,12 +436,8 @@ def _compare(args) -> int:
         inject_a=tuple(args.inject_a),
         inject_b=tuple(args.inject_b),
         armed=tuple(s for s in args.arm if s != "-"),
-        launcher=args.launcher,
-        remote_command=args.remote_command,
-        timeout=args.timeout,
         allow_mismatch=args.allow_mismatch,
-        workdir=os.path.join(args.out, "traces") if args.out else None,
-        keep=args.keep,
+        **_node_options(args),
     )
     with node_progress() as (update, log):
         comparison = compare_nodes(options, progress=update, log=log)
@@ -454,12 +467,8 @@ def _scan(args) -> int:
     options = ScanOptions(
         nodes=args.nodes,
         record=_record_options(args),
-        launcher=args.launcher,
-        remote_command=args.remote_command,
-        timeout=args.timeout,
         jobs=args.jobs,
-        workdir=os.path.join(args.out, "traces") if args.out else None,
-        keep=args.keep,
+        **_node_options(args),
     )
     # Many nodes: their stderr is kept for the error messages, not echoed.
     with node_progress(log_lines=False) as (update, log):

@@ -53,18 +53,20 @@ class GemmaConfig:
       rope_base: the rotary embedding's base wavelength.
       dtype: compute dtype of the GEMMs.
       param_dtype: dtype of the parameters.
+
+    The trailing comments give Gemma 2 2B's values, for scale.
     """
 
-    vocab_size: int = VOCAB_SIZE
-    num_layers: int = 2
-    d_model: int = 64
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    mlp_dim: int = 128
-    sliding_window: int = 8
-    attention_types: tuple[str, ...] = ATTENTION_TYPES
-    rope_base: float = 10_000.0
+    vocab_size: int = VOCAB_SIZE  # 256,000 (SentencePiece)
+    num_layers: int = 2  # 26
+    d_model: int = 64  # 2304
+    num_heads: int = 4  # 8
+    num_kv_heads: int = 2  # 4: two query heads per key/value head
+    head_dim: int = 16  # 256
+    mlp_dim: int = 128  # 9216
+    sliding_window: int = 8  # 4096
+    attention_types: tuple[str, ...] = ATTENTION_TYPES  # the same alternation
+    rope_base: float = 10_000.0  # the same
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
 

@@ -30,15 +30,17 @@ class GPTConfig:
       mlp_ratio: hidden width of the MLP relative to ``d_model``.
       dropout_rate: dropout on attention weights and residual branches.
       dtype: computation dtype (parameters stay float32).
+
+    The trailing comments give GPT-2 small's values, for scale.
     """
 
-    vocab_size: int = VOCAB_SIZE
-    seq_len: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    d_model: int = 64
-    mlp_ratio: int = 4
-    dropout_rate: float = 0.0
+    vocab_size: int = VOCAB_SIZE  # 50,257 (byte-pair encoding)
+    seq_len: int = 64  # 1024
+    num_layers: int = 2  # 12
+    num_heads: int = 4  # 12
+    d_model: int = 64  # 768
+    mlp_ratio: int = 4  # the same (a 3072-wide MLP)
+    dropout_rate: float = 0.0  # 0.1
     dtype: str = "float32"
 
     def __post_init__(self):

@@ -72,7 +72,6 @@ def check_contraction(
     rows = row_check(
         c, a, b, ct, safety=config.safety, precision=precision, lhs_nonnegative=lhs_nonnegative
     )
-    bad_row = ~(jnp.abs(rows.row_sum - rows.ref) <= rows.threshold)  # NaN and INF rows fail too
     # Per matrix of the batch: rows flattened, [batch..., rows] with the batch letters first.
     row_term = ct.without(ct.rhs_free)
     order = [row_term.index(x) for x in ct.batch + ct.lhs_free]
@@ -81,20 +80,20 @@ def check_contraction(
         x = jnp.transpose(x, order)
         return x.reshape((*x.shape[: len(ct.batch)], -1))
 
-    # Both counters from one reduction of one flag per row: 0 clean, 1 flagged, 2 flagged where
-    # the inputs alone define a non-finite row sum (an operand already held a NaN or INF).
-    status = jnp.where(bad_row, jnp.where(jnp.isfinite(rows.ref), 1, 2), 0).astype(jnp.int8)
+    # Per matrix, one reduction of the rows' flags: whether any row failed its check, whether
+    # one failed where the inputs alone define a non-finite row sum (an operand already held a
+    # NaN or INF: doomed upstream), and, to repair in place, how many rows failed.
+    bad_row = rows.bad()
+    terms = {
+        "detected": ("max", per_matrix(bad_row).astype(jnp.int8)),
+        "upstream": ("max", per_matrix(bad_row & ~jnp.isfinite(rows.ref)).astype(jnp.int8)),
+    }
+    if config.correct:
+        terms["flagged"] = ("sum", per_matrix(bad_row).astype(jnp.int32))
+    reduced = reduce_together(terms, (len(ct.batch),))
     if not config.correct:
-        # Detection only: C is passed on as it is. A flagged row whose checksum, computed from
-        # the inputs alone, is not finite was doomed upstream.
-        worst = jnp.max(per_matrix(status), axis=-1)
-        return c, count_outcomes(jnp.sum(worst > 0), 0, jnp.sum(worst == 2))
-    # In place, the number of flagged rows of each matrix too, in the same reduction.
-    flagged = per_matrix(bad_row).astype(jnp.int32)
-    reduced = reduce_together(
-        {"worst": ("max", per_matrix(status)), "flagged": ("sum", flagged)}, (len(ct.batch),)
-    )
-    detected, upstream = reduced["worst"] > 0, reduced["worst"] == 2
+        # Detection only: C is passed on as it is.
+        return c, count_outcomes(jnp.sum(reduced["detected"]), 0, jnp.sum(reduced["upstream"]))
 
     def repair(c):
         """``c`` with the flagged row of each matrix recomputed, and the counters."""
@@ -104,7 +103,10 @@ def check_contraction(
         n_line = math.prod(dims[x] for x in ct.rhs_free)
         # The flagged row of each matrix (the first, when there are several: then nothing is
         # fixed), and its numbers, one per matrix: [n_batch].
-        row = jnp.argmax(per_matrix(bad_row), axis=-1).astype(jnp.uint32)
+        # What the repair reads is computed here from the check's reductions: behind a cond, a
+        # clean step materializes none of it.
+        detected, upstream = reduced["detected"] > 0, reduced["upstream"] > 0
+        row = jnp.argmax(per_matrix(rows.bad()), axis=-1).astype(jnp.uint32)
 
         def at_row(x):
             x = jnp.take_along_axis(
@@ -112,7 +114,7 @@ def check_contraction(
             )
             return x[..., 0].reshape(-1)
 
-        ref, base_threshold = at_row(rows.ref), at_row(rows.base_threshold)
+        ref, base_threshold = at_row(rows.ref), at_row(rows.base_threshold())
         scale = rows.scale.reshape(-1)
         matrix_at = {
             **unravel(jnp.arange(n_batch), ct.batch, dims),
@@ -164,12 +166,15 @@ def check_contraction(
     strategy = repair_strategy(config)
     if strategy == "branch_free":
         return repair(c)
-    anything = jnp.any(detected)
+    anything = jnp.any(reduced["detected"] > 0)
     if strategy == "cond":
-        # The clean branch's counters come from the check's own data (zero when clean), so
-        # inside shard_map both branches are typed alike.
-        clean = count_outcomes(jnp.sum(detected), 0, jnp.sum(upstream))
-        return lax.cond(anything, repair, lambda c: (c, clean), c)
+
+        def clean(c):
+            # Zero, from the check's own data: inside shard_map both branches are typed alike.
+            detected, upstream = reduced["detected"], reduced["upstream"]
+            return c, count_outcomes(jnp.sum(detected), 0, jnp.sum(upstream))
+
+        return lax.cond(anything, repair, clean, c)
     return repair_if(anything, repair, c)
 
 

@@ -291,14 +291,46 @@ def line_sums_of_c(c, scale, summed_axes) -> dict[str, jax.Array]:
 class RowCheck(NamedTuple):
     """The row side of a contraction's check, one entry per row of ``C`` (letters: the output's
     without the rhs-free ones), float32 in the checksums' scaled units (see
-    :class:`LineChecksums`)."""
+    :class:`LineChecksums`).
+
+    Only the reductions are stored; the thresholds are elementwise functions of them, computed
+    where they are read, so that a repair behind a ``lax.cond`` computes its own inside the
+    branch and a clean step materializes none of them.
+    """
 
     ref: jax.Array  # A(Be)·scale: the row sums the inputs define
     row_sum: jax.Array  # Σ c·scale
-    threshold: jax.Array  # the round-off bound of |row_sum - ref| on a clean row
-    base_threshold: jax.Array  # the same without the rounding of a low-precision C (its Σ|c|)
+    abs_sum: jax.Array | None  # Σ |c|·scale for a bf16/fp16 C (its output rounding), else None
     magnitude: jax.Array  # the row's |A|(|B|e), or a bound of it (before γ), scaled
     scale: jax.Array  # the power of two per matrix (letters: the batch letters)
+    scale_on_row: jax.Array  # ``scale`` broadcast along the rows
+    c_dtype: jnp.dtype
+    a_dtype: jnp.dtype
+    precision: object
+    k: int  # the contraction's length
+    n_line: int  # the length of a row
+    safety: float
+
+    def base_threshold(self) -> jax.Array:
+        """The round-off bound of ``|row_sum - ref|`` without the rounding of a low-precision C."""
+        return line_threshold(
+            self.magnitude,
+            self.scale_on_row,
+            self.c_dtype,
+            self.a_dtype,
+            self.precision,
+            k=self.k,
+            n_line=self.n_line,
+            safety=self.safety,
+        )
+
+    def threshold(self) -> jax.Array:
+        """The round-off bound of ``|row_sum - ref|`` on a clean row."""
+        return self.base_threshold() + output_rounding(self.abs_sum, self.c_dtype, self.safety)
+
+    def bad(self) -> jax.Array:
+        """Rows that fail their check (NaN and INF rows too)."""
+        return ~(jnp.abs(self.row_sum - self.ref) <= self.threshold())
 
 
 def row_check(c, a, b, ct: Contraction, *, safety, precision, lhs_nonnegative) -> RowCheck:
@@ -309,8 +341,6 @@ def row_check(c, a, b, ct: Contraction, *, safety, precision, lhs_nonnegative) -
     is the whole cost of the check beyond the narrow products with ``A`` and ``B``.
     """
     dims = ct.sizes(a, b)
-    n_line = math.prod(dims[x] for x in ct.rhs_free)
-    k = math.prod(dims[x] for x in ct.contracted)
     rhs_free_in_b = "".join(x for x in ct.rhs if x in ct.rhs_free)
     ref, magnitude, scale = _contract_with_line_sums(
         a, ct.lhs, b, ct.rhs, ct, rhs_free_in_b, x_nonnegative=lhs_nonnegative
@@ -318,9 +348,17 @@ def row_check(c, a, b, ct: Contraction, *, safety, precision, lhs_nonnegative) -
     summed_axes = axes_of(ct.out, ct.rhs_free)
     c_sums = line_sums_of_c(c, along(scale, ct.batch, ct.out, c.shape), summed_axes)
     row_sum = c_sums["sum"]
-    scale_on_row = along(scale, ct.batch, ct.without(ct.rhs_free), row_sum.shape)
-    base_threshold = line_threshold(
-        magnitude, scale_on_row, c.dtype, a.dtype, precision, k=k, n_line=n_line, safety=safety
+    return RowCheck(
+        ref=ref,
+        row_sum=row_sum,
+        abs_sum=c_sums.get("abs_sum"),
+        magnitude=magnitude,
+        scale=scale,
+        scale_on_row=along(scale, ct.batch, ct.without(ct.rhs_free), row_sum.shape),
+        c_dtype=c.dtype,
+        a_dtype=a.dtype,
+        precision=precision,
+        k=math.prod(dims[x] for x in ct.contracted),
+        n_line=math.prod(dims[x] for x in ct.rhs_free),
+        safety=safety,
     )
-    threshold = base_threshold + output_rounding(c_sums.get("abs_sum"), c.dtype, safety)
-    return RowCheck(ref, row_sum, threshold, base_threshold, magnitude, scale)

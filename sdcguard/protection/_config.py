@@ -45,6 +45,9 @@ class ABFTConfig:
       recompute: for :func:`sdcguard.checked`: checks only detect (``correct`` is not read),
         and a call with any detection is computed again, once, from the same arguments; a
         detection on that second computation too is reported for the update guard to refuse.
+        ``repair`` picks its control flow: ``'cond'`` (a ``lax.cond`` around a second copy of
+        the step: a clean step costs detection and one predicate), otherwise a ``while`` loop
+        of one or two trips around one copy; ``'auto'`` is ``'cond'`` on a GPU.
       per_iteration: for :func:`sdcguard.checked`: one row of counters per ``scan`` iteration
         instead of their sum.
       allow_unmatched: for :func:`sdcguard.checked`: accept ``include``/``exclude`` patterns and

@@ -1,7 +1,10 @@
 """``ABFTConfig(recompute=True)``: a step computed again, once, when a check detected anything.
 
-One ``while`` loop of one or two trips around one copy of the step: both trips only detect, a
-fault plan strikes the first trip only, and the counters say what the recomputation corrected.
+Both computations only detect, a fault plan strikes the first only, and the counters say what
+the recomputation corrected. The control flow follows ``ABFTConfig.repair``: behind a
+``lax.cond`` (``"cond"``, the GPU's default: a clean step is the step and one predicate, inside
+the step's CUDA graph; two copies of the step are compiled), or as a ``while`` loop of one or
+two trips around one copy of the step (elsewhere).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from jax.flatten_util import ravel_pytree
 
 from sdcguard import fault_model as inject
 from sdcguard.protection import _sharding as sharding
+from sdcguard.protection._checks import repair_strategy
 from sdcguard.protection._config import ABFTConfig, Counts, unsafe_checks
 from sdcguard.protection._interpret import Program, Report, run_checked, varying
 
@@ -64,15 +68,61 @@ def _merge_recomputed(first: jax.Array, second: jax.Array, trips) -> jax.Array:
 
 
 def run_recomputing(program: Program, config: ABFTConfig) -> tuple[list, Report]:
-    """The step once, and once more when a check detected anything: one ``while`` loop of
-    one or two trips around one copy of the step (a second copy would double compile time).
+    """The step once, and once more when a check detected anything.
 
-    Both trips only detect: the in-place fix would add its program to the clean path, and a
-    step computed again from the same arguments needs none (a fault met on both trips is
+    Both computations only detect: the in-place fix would add its program to the clean path,
+    and a step computed again from the same arguments needs none (a fault met both times is
     reported, for the update guard to refuse).
+
+    Args:
+      program: the step (:class:`Program`).
+      config: the checks' settings; ``repair`` picks the control flow (``"cond"``: a
+        ``lax.cond`` around a second copy of the step; otherwise a ``while`` loop around one).
+
+    Returns:
+      ``(outputs, report)`` as :func:`run_checked` gives them.
     """
-    plan = inject.active_plan()
     detect_only = dataclasses.replace(config, recompute=False, correct=False)
+    if repair_strategy(config) == "cond":
+        return _recompute_behind_cond(program, detect_only)
+    return _recompute_in_loop(program, detect_only)
+
+
+def _stacked(report) -> jax.Array:
+    """A report's counters as one ``[sites, 4]`` array: site by site, XLA copies each decision
+    on them (a sum over every site) into every site's fusion."""
+    return Counts.rows(ravel_pytree(report)[0])
+
+
+def _recompute_behind_cond(program: Program, detect_only: ABFTConfig) -> tuple[list, Report]:
+    """The step, then a ``lax.cond`` that computes it again when a check fired."""
+    plan = inject.active_plan()
+    inputs = (list(program.traced.closed.consts), list(program.traced.arrays))
+    outs, report = run_checked(program, detect_only, inputs)
+    if not report:
+        return outs, report  # nothing is checked: nothing can call for a second computation
+    first = _stacked(report)
+    unravel = ravel_pytree(report)[1]
+
+    def again(operands):
+        _, inputs = operands
+        with inject.faults(_first_trip_only(plan, jnp.int32(1))):
+            outs, report = run_checked(program, detect_only, inputs)
+        return outs, _merge_recomputed(first, _stacked(report), 2)
+
+    def keep(operands):
+        outs, _ = operands
+        return outs, first
+
+    detected = jnp.sum(unsafe_checks(first)) > 0
+    outs, merged = jax.lax.cond(detected, again, keep, (outs, inputs))
+    return outs, unravel(merged.reshape(-1))
+
+
+def _recompute_in_loop(program: Program, detect_only: ABFTConfig) -> tuple[list, Report]:
+    """One ``while`` loop of one or two trips around one copy of the step (a second copy would
+    double compile time)."""
+    plan = inject.active_plan()
 
     def attempt(trip):
         # The step's inputs tied to the trip: the body must be computed on each trip.
@@ -93,17 +143,13 @@ def run_recomputing(program: Program, config: ABFTConfig) -> tuple[list, Report]
     if not report_shape:
         # Nothing is checked: nothing can call for a second computation.
         return run(jnp.int32(0))
-    # The counters travel stacked, one [sites, 4] array: site by site, XLA copies
-    # each decision on them (a sum over every site) into every site's fusion.
+    # The counters travel stacked, one [sites, 4] array.
     flat0, unravel = ravel_pytree({s: _placeholder(a) for s, a in report_shape.items()})
-
-    def stacked(report):
-        return Counts.rows(ravel_pytree(report)[0])
 
     def again(carry):
         trip, _, first, _ = carry
         outs, report = run(trip)
-        now = stacked(report)
+        now = _stacked(report)
         # The first trip's counters are kept to say what the recomputation corrected. The
         # merged counters are carried too: merged after the loop, XLA copies the merge into the
         # slice of every site's counters (about 20 lines of HLO each).

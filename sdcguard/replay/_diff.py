@@ -267,7 +267,6 @@ def compare_traces(a: Trace, b: Trace, *, allow_mismatch: bool = False) -> Compa
     if diffs and not allow_mismatch:
         raise FingerprintMismatch(diffs)
     common = [lv for lv in a.manifest["levels"] if lv in b.manifest["levels"]]
-    lockstep = b.manifest.get("reference") == a.content_hash
     if "submodule" in common:
         levels["submodule"] = {"rows": _submodule_rows(a, b)}
     trajectory: dict = {}
@@ -282,7 +281,7 @@ def compare_traces(a: Trace, b: Trace, *, allow_mismatch: bool = False) -> Compa
         b=_node_summary(b),
         levels=levels,
         trajectory=trajectory,
-        lockstep=lockstep,
+        lockstep=b.manifest.get("reference") == a.content_hash,
         fingerprint_differences=diffs,
     )
 

@@ -4,6 +4,7 @@ Every strategy gives the same outputs and counters, in fp32, bf16 and fp16, clea
 fault; what differs is the control flow XLA compiles, which the last tests pin.
 """
 
+import collections
 import re
 
 import jax
@@ -129,3 +130,59 @@ def test_auto_resolves_per_backend_and_unknown_strategies_are_refused():
     assert repair_strategy(ABFTConfig(repair="cond"), "cpu") == "cond"
     with pytest.raises(ValueError, match="repair must be one of"):
         ABFTConfig(repair="sometimes")
+
+
+# The compiled program of one checked GEMM on XLA:CPU, against the plain one: issue 39's proxy,
+# off a GPU, for the kernels a check adds (docs/performance.md, "Kernels per check"). Counted:
+# the instructions of the entry computation that run code (fusions, dots, conditionals, ...);
+# a conditional's branches run only when a check fired. Bounds: the most any JAX of CI's matrix
+# compiles (jax 0.10 converts bf16 operands in fusions of their own).
+_NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%\S+ = (?:\(.*?\)|\S+) ([\w-]+)\(")
+# In place behind a cond adds to detection the predicate, the conditional and the operands its
+# branch reads (for bf16/fp16 on XLA:CPU, A and B rounded as stored, and C, as separate copies).
+EXTRA_KERNELS = {  # (mode, dtype) -> at most this many kernels more than the plain GEMM
+    ("detect", jnp.float32): 13,
+    ("detect", jnp.bfloat16): 11,
+    ("detect", jnp.float16): 8,
+    ("cond", jnp.float32): 15,
+    ("cond", jnp.bfloat16): 14,
+    ("cond", jnp.float16): 12,
+}
+# No host round trip anywhere in the program: a check decides on the device.
+_HOST_SYNC = re.compile(r"\b(infeed|outfeed|send|recv|send-done|recv-done)\(|callback", re.I)
+
+
+def _gemm_then_tanh(a, b):
+    return jnp.tanh(a @ b)
+
+
+def compiled_kernels(fn, *args) -> tuple[collections.Counter, str]:
+    """The kernels of ``fn``'s compiled entry computation, by opcode, and the whole program."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    entry = text[text.index("\nENTRY") :]
+    ops = (m.group(1) for line in entry.splitlines() if (m := _INSTRUCTION.match(line)))
+    return collections.Counter(op for op in ops if op not in _NOT_KERNELS), text
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the proxy is XLA:CPU's program")
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_kernels_a_check_adds_to_a_gemm(dtype):
+    a = jax.random.normal(jax.random.key(0), (256, 512)).astype(dtype)
+    b = jax.random.normal(jax.random.key(1), (512, 384)).astype(dtype)
+    plain, _ = compiled_kernels(_gemm_then_tanh, a, b)
+    counts = {}
+    for mode, config in (
+        ("detect", ABFTConfig(correct=False)),
+        ("cond", ABFTConfig(repair="cond")),
+        ("branch_free", ABFTConfig(repair="branch_free")),
+    ):
+        kernels, text = compiled_kernels(sdcguard.checked(_gemm_then_tanh, config), a, b)
+        assert not _HOST_SYNC.search(text), f"{mode}: a host round trip in the compiled check"
+        counts[mode] = kernels
+    extra = {mode: sum(k.values()) - sum(plain.values()) for mode, k in counts.items()}
+    assert extra["detect"] <= EXTRA_KERNELS["detect", dtype], counts["detect"]
+    assert extra["cond"] <= EXTRA_KERNELS["cond", dtype], counts["cond"]
+    # The branch-free repair runs on every call; behind the cond, only when a check fired.
+    assert counts["cond"]["conditional"] == 1
+    assert extra["branch_free"] > extra["cond"]

@@ -1,8 +1,8 @@
 """What a checked step costs in control flow, and that ``list_sites`` and the report agree.
 
-On XLA:GPU every ``while`` and ``conditional`` in a compiled program copies its predicate to the
-host and waits for the stream: a check with one per GEMM would be a host sync per GEMM. The
-checks here are branch-free; only ``recompute=True`` adds one loop to the step.
+On the CPU the checks are branch-free (``repair="auto"``); ``recompute=True`` adds one loop to
+the step there, or one conditional with ``repair="cond"`` (the GPU's default, which keeps it
+inside the step's CUDA graph).
 """
 
 import re
@@ -18,6 +18,7 @@ from sdcguard import ABFTConfig
 from sdcguard.fault_model import Fault, FaultPlan
 from sdcguard.protection import list_sites, total
 
+from tests.helpers.tolerances import assert_close
 from tests.protection.test_gemm import lm_step
 
 
@@ -82,7 +83,31 @@ def test_the_recompute_loop_computes_the_step_on_each_trip():
     assert inside == text.count(" dot(")
 
 
-def test_recompute_mode_repairs_what_in_place_cannot():
+def test_the_recompute_cond_computes_the_step_again_in_its_branch():
+    """With ``repair="cond"``: no loop, one conditional, and a second copy of every GEMM of the
+    step inside its branch (a copy hoisted out of it would not compute anything again)."""
+
+    def step(w, x):
+        return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+
+    w = jax.random.normal(jax.random.key(0), (16, 8))
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    checked = sdcguard.checked(step, ABFTConfig(recompute=True, repair="cond"))
+    text = jax.jit(checked).lower(w, x).compile().as_text()
+    assert not re.search(r"\swhile\(", text)
+    (branches,) = re.findall(r"\sconditional\(.*?branch_computations=\{([^}]*)\}", text)
+    computations = _computations(text)
+    inside = set().union(*(_reachable(computations, b.strip()) for b in branches.split(",")))
+    dots_inside = sum(computations[c].count(" dot(") for c in inside)
+    assert dots_inside >= 3  # the forward GEMM and its gradient, at least
+    assert text.count(" dot(") == 2 * dots_inside
+
+
+@pytest.mark.parametrize("repair", ["while", "cond"])
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name
+)
+def test_recompute_mode_repairs_what_in_place_cannot(repair, dtype):
     """Two errors in one matrix are beyond the in-place fix (counted uncorrectable, the output
     flagged, never passed on as corrected); the recompute computes the step again, once, and
     the faults, transient, are not met again."""
@@ -90,12 +115,12 @@ def test_recompute_mode_repairs_what_in_place_cannot():
     def step(w, x):
         return jnp.tanh(x @ w)
 
-    w = jax.random.normal(jax.random.key(0), (8, 6))
-    x = jax.random.normal(jax.random.key(1), (4, 8))
+    w = jax.random.normal(jax.random.key(0), (8, 6)).astype(dtype)
+    x = jax.random.normal(jax.random.key(1), (4, 8)).astype(dtype)
     (site,) = [s.name for s in list_sites(step, w, x)]
     plan = FaultPlan.from_faults([Fault(site=site, kind="nan", index=i) for i in (1, 13)])
 
-    def run(config):
+    def run(config, plan=plan):
         @jax.jit
         def go(plan, w, x):
             with sdcguard.faults(plan):
@@ -103,12 +128,17 @@ def test_recompute_mode_repairs_what_in_place_cannot():
 
         return go(plan, w, x)
 
-    out, report = run(ABFTConfig())
+    out, report = run(ABFTConfig(repair=repair))
     np.testing.assert_array_equal(report[site], [1, 0, 1, 0])
-    assert np.isnan(np.asarray(out)).sum() == 2
-    out, report = run(ABFTConfig(recompute=True))
+    assert np.isnan(np.asarray(out, np.float32)).sum() == 2
+    config = ABFTConfig(recompute=True, repair=repair)
+    out, report = run(config)
     np.testing.assert_array_equal(report[site], [1, 1, 0, 0])
-    np.testing.assert_allclose(np.asarray(out), np.asarray(step(w, x)), rtol=1e-6, atol=1e-6)
+    assert_close(out, step(w, x), dtype)
+    # A clean step: computed once, bit for bit the plain one, nothing reported.
+    out, report = run(config, FaultPlan.from_faults([], capacity=2))
+    np.testing.assert_array_equal(report[site], [0, 0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(step(w, x), np.float32))
 
 
 # --- list_sites and the report agree, whatever holds the GEMMs ---------------------------------

@@ -55,14 +55,14 @@ class BlockSizes:
       num_warps, num_stages: Triton launch settings.
     """
 
-    block_q: int = 64
-    block_k: int = 64
-    block_q_dkv: int = 32
-    block_k_dkv: int = 32
-    block_q_dq: int = 32
-    block_k_dq: int = 32
-    num_warps: int = 4
-    num_stages: int = 2
+    block_q: int = 64  # query rows per program
+    block_k: int = 64  # key rows per loop step
+    block_q_dkv: int = 32  # query rows per loop step
+    block_k_dkv: int = 32  # key rows per program
+    block_q_dq: int = 32  # query rows per program
+    block_k_dq: int = 32  # key rows per loop step
+    num_warps: int = 4  # 1, 2, 4, 8 or 16
+    num_stages: int = 2  # pipeline stages of the loops' loads
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
