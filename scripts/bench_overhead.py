@@ -11,14 +11,19 @@ process; an overhead is the median over rounds of the per-round ratio to the unp
     python scripts/bench_overhead.py --whole-step    # every GEMM checked by sdcguard.checked
 
 ``--whole-step`` times whole training steps under :func:`sdcguard.checked` (every GEMM, forward
-and backward, in place / detect only / recompute on detection; attention only; and each site
-class alone: attention, projections, MLP, head) on the reference GPT (``--size``) and on a linen
-LM written the way Flax's examples write one (4 layers, d 256, MLP 1024, seq 256).
+and backward, in place (the backend's default repair, branch-free and cond) / detect only /
+recompute on detection; attention only; and each site class alone: attention, projections, MLP,
+head) on the reference GPT (``--size``) and on a linen LM written the way Flax's examples write
+one (4 layers, d 256, MLP 1024, seq 256), that LM also with its attention layers swapped for the
+drop-ins (``linen.protect``). ``--models lm`` and ``--variants NAME ...`` narrow it:
+
+    python scripts/bench_overhead.py --whole-step --models lm --rounds 11
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -117,8 +122,11 @@ def attention_fns(model: GPTConfig, batch_size: int) -> dict:
 WHOLE_STEP_VARIANTS = {
     "unprotected": None,
     "every GEMM, in place": ABFTConfig(),
+    "every GEMM, in place, branch-free": ABFTConfig(repair="branch_free"),
+    "every GEMM, in place, cond": ABFTConfig(repair="cond"),
     "every GEMM, detect only": ABFTConfig(correct=False),
     "every GEMM, recompute on detection": ABFTConfig(recompute=True),
+    "every GEMM, recompute on detection, cond": ABFTConfig(recompute=True, repair="cond"),
     "attention only (scores, context), in place": ABFTConfig(include=("**attn:*",)),
     "class: attention (scores, context)": ABFTConfig(include=("**attn:*",), correct=False),
     "class: projections (q, k, v, out)": ABFTConfig(
@@ -129,6 +137,16 @@ WHOLE_STEP_VARIANTS = {
     "class: head": ABFTConfig(
         include=("**head**", "**embed:attend*"), correct=False, allow_unmatched=True
     ),
+}
+
+
+# --whole-step, the Flax-example LM only: its attention layers swapped for the drop-ins
+# (linen.protect), every attention GEMM checked, forward and backward.
+DROP_IN_VARIANTS = {
+    "drop-in attention (linen.protect), in place": ABFTConfig(),
+    "drop-in attention (linen.protect), in place, branch-free": ABFTConfig(repair="branch_free"),
+    "drop-in attention (linen.protect), in place, cond": ABFTConfig(repair="cond"),
+    "drop-in attention (linen.protect), detect only": ABFTConfig(correct=False),
 }
 
 
@@ -187,7 +205,7 @@ def _compiled(step, args, variants: dict) -> dict:
     return fns
 
 
-def whole_step_gpt_fns(model: GPTConfig, batch_size: int) -> dict:
+def whole_step_gpt_fns(model: GPTConfig, batch_size: int, variants=None) -> dict:
     """The reference GPT's Adam step (loss, gradients, update) as one function."""
     config = TrainConfig(model=model, batch_size=batch_size, abft=None)
     state, _ = make_train_step(config)
@@ -204,15 +222,19 @@ def whole_step_gpt_fns(model: GPTConfig, batch_size: int) -> dict:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return _compiled(step, (state.params, state.opt_state, batch), WHOLE_STEP_VARIANTS)
+    return _compiled(
+        step, (state.params, state.opt_state, batch), _selected(WHOLE_STEP_VARIANTS, variants)
+    )
 
 
-def whole_step_linen_lm_fns(model: GPTConfig, batch_size: int) -> dict:
-    """The Flax-example LM (4 layers, d 256, MLP 1024, seq 256), Adam."""
+def whole_step_linen_lm_fns(model: GPTConfig, batch_size: int, variants=None) -> dict:
+    """The Flax-example LM (4 layers, d 256, MLP 1024, seq 256), Adam: under ``checked``, and
+    with its attention layers swapped for the drop-ins."""
     del model
     net, tx = FlaxExampleLM(), optax.adam(1e-3)
     tokens = jax.random.randint(jax.random.key(0), (batch_size, 257), 0, 256)
     params = nn.unbox(net.init(jax.random.key(1), tokens[:, :-1]))["params"]
+    opt_state = tx.init(params)
 
     def step(params, opt_state, tokens):
         def loss_fn(p):
@@ -223,7 +245,37 @@ def whole_step_linen_lm_fns(model: GPTConfig, batch_size: int) -> dict:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return _compiled(step, (params, tx.init(params), tokens), WHOLE_STEP_VARIANTS)
+    fns = _compiled(step, (params, opt_state, tokens), _selected(WHOLE_STEP_VARIANTS, variants))
+    with sl.protect(ABFTConfig(sites=())):
+        sinks = sl.init_sinks(net, tokens[:, :-1])
+    for name, abft in _selected(DROP_IN_VARIANTS, variants).items():
+
+        def drop_in_step(params, opt_state, tokens, abft=abft):
+            def loss_fn(p, sinks):
+                with sl.protect(abft):
+                    logits, sdc = net.apply(
+                        {"params": p, "sdc_grad": sinks}, tokens[:, :-1], mutable=["sdc"]
+                    )
+                loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+                return loss.mean(), sdc
+
+            (loss, sdc), (grads, backward) = jax.value_and_grad(
+                loss_fn, argnums=(0, 1), has_aux=True
+            )(params, sinks)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            # The counters are outputs: a check whose result nobody reads is compiled away.
+            return optax.apply_updates(params, updates), opt_state, loss, sdc, backward
+
+        compiled = jax.jit(drop_in_step).lower(params, opt_state, tokens).compile()
+        fns[name] = lambda c=compiled: c(params, opt_state, tokens)
+    return fns
+
+
+def _selected(variants: dict, names) -> dict:
+    """``variants`` restricted to ``names`` (None: all), the unprotected baseline always."""
+    if names is None:
+        return variants
+    return {k: v for k, v in variants.items() if k in names or v is None}
 
 
 def main() -> None:
@@ -243,6 +295,21 @@ def main() -> None:
         action="store_true",
         help="whole training steps under sdcguard.checked: the GPT and a Flax-example LM",
     )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=("gpt", "lm"),
+        default=("gpt", "lm"),
+        help="with --whole-step: the reference GPT, the Flax-example LM, or both",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=[*WHOLE_STEP_VARIANTS, *DROP_IN_VARIANTS],
+        default=None,
+        metavar="NAME",
+        help="with --whole-step: only these variants (and the unprotected step)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model = SIZES[args.size]
@@ -256,9 +323,13 @@ def main() -> None:
             ("training step", lambda m, b: train_step_fns(m, b, PER_SITE_VARIANTS)),
         ]
     if args.whole_step:
+        chosen = {
+            "gpt": (f"{args.size} GPT step, every GEMM", whole_step_gpt_fns),
+            "lm": ("Flax-example LM step (4 x d256, MLP 1024)", whole_step_linen_lm_fns),
+        }
         workloads = [
-            (f"{args.size} GPT step, every GEMM", whole_step_gpt_fns),
-            ("Flax-example LM step (4 x d256, MLP 1024)", whole_step_linen_lm_fns),
+            (what, functools.partial(make, variants=args.variants))
+            for what, make in (chosen[m] for m in args.models)
         ]
     default_out = (
         "runs/bench_overhead_whole_step.json"
