@@ -1,24 +1,32 @@
 """GPU kernels against cuBLAS (and, later, cuDNN): the checked Hopper GEMM at the LM's shapes.
 
-On a GPU (at most ~5 minutes on an H100 or H200), bf16, per GEMM shape ``M x N x K``:
+On a GPU (at most ~5 minutes on an H100 or H200), bf16, per GEMM shape ``M x N x K`` (two
+square-ish ones and the GEMMs of a d-1024 LM step, forward and backward, :data:`GEMM_SHAPES`):
 
 - JAX's unmodified Hopper GEMM (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``) and
   ``sdcguard``'s checked GEMM unchecked / checked / detect-only, each against cuBLAS
   (``jnp.dot``);
-- ratios as the median over interleaved rounds (every variant timed once per round, so
-  clock and thermal drift hit all alike), with the device kind recorded beside each figure;
+- each part of the checked GEMM as a compiled function of its own, on the outputs of the part
+  before it: the passes before the kernel over ``B`` (padding, the checksum operand) and over
+  ``A`` (padding, the per-row thresholds), both together, the kernel alone, and the pass after
+  it (``verify.pass_after``: the recomputation of located elements and the counters);
+- ratios as the median over interleaved rounds (drift hits every variant alike), with the
+  device kind; each variant's compile time and first run (a kernel compiled at load time);
 - an INF injected into the accumulator of the checked GEMM, corrected on the GPU.
 
-Shapes: 8192x1024x4096, 8192x4096x1024 and the GEMMs of a d-1024 LM step (8192 tokens, MLP
-4096, vocabulary 32768), forward and backward.
+``--trace DIR`` profiles every variant of one shape (``--trace-shape``) with ``jax.profiler``
+and prints where its device time goes (``scripts/trace_summary.py``).
 
-The cases are data (:class:`Case`): :func:`gemm_cases` builds the GEMM ones, and
-:func:`attention_cases` is where attention kernels are added; :func:`run_cases` times any list.
+The cases are data (:class:`Case`, built by :func:`gemm_cases`; :func:`attention_cases` is
+where attention kernels go); :func:`run_cases` times any list.
 
-On a machine without a GPU it says so and exits 0.
+On a machine without a GPU it says so and exits 0; ``--force`` runs the same code there at
+``--size tiny``, the kernels in Mosaic GPU's interpret mode (slow: seconds per call).
 
 Usage:
   python scripts/bench_gpu_kernels.py [--rounds 7] [--inner 10] [--out runs/bench_gpu_kernels.json]
+  python scripts/bench_gpu_kernels.py --trace runs/trace_gemm --trace-shape 8192x4096x1024
+  python scripts/bench_gpu_kernels.py --force      # no GPU: tiny shapes, interpreted kernels
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -48,7 +57,8 @@ class Case:
     Attributes:
       name: what is computed (e.g. ``"gemm 8192x1024x4096"``).
       baseline: the variant the others are divided by.
-      variants: name -> ``() -> outputs``, each a compiled function closed over its inputs.
+      variants: name -> ``() -> outputs``, each a compiled function closed over its inputs
+        (a :class:`Compiled` reports its compile time and HLO too).
       flops: floating-point operations of one call (for TFLOP/s), or 0.
     """
 
@@ -58,19 +68,47 @@ class Case:
     flops: float = 0.0
 
 
+class Compiled:
+    """``jax.jit(fn)`` on fixed arguments, compiled ahead of time at its first call.
+
+    Attributes (after the first call): ``compile_s`` (lowering and XLA's compilation),
+    ``first_run_s`` (the first run, to its result: a kernel compiled when the executable is
+    loaded is in it), ``hlo`` (the compiled HLO text, for a trace's op names).
+    """
+
+    def __init__(self, fn: Callable, *args):
+        self.fn, self.args = fn, args
+        self.executable = self.compile_s = self.first_run_s = self.hlo = None
+
+    def __call__(self):
+        if self.executable is not None:
+            return self.executable(*self.args)
+        start = time.perf_counter()
+        self.executable = jax.jit(self.fn).lower(*self.args).compile()
+        self.compile_s = time.perf_counter() - start
+        self.hlo = self.executable.as_text()
+        start = time.perf_counter()
+        out = _block(self.executable(*self.args))
+        self.first_run_s = time.perf_counter() - start
+        return out
+
+
 def _block(x):
     return jax.tree_util.tree_map(lambda y: y.block_until_ready(), x)
 
 
-def time_case(case: Case, *, rounds: int, inner: int) -> dict:
+def time_case(case: Case, *, rounds: int, inner: int, warmup: int = 1) -> dict:
     """Median seconds per call of every variant and median ratio to the baseline.
 
-    Each round runs every variant ``inner`` times back to back (after one warm-up call each);
-    the ratio of a round is taken within the round, and the median over rounds is reported.
+    Each variant is called once (compiled and run), then ``warmup`` more times; each round runs
+    every variant ``inner`` times back to back; the ratio of a round is taken within the
+    round, and the median over rounds is reported. Each variant is printed as it is compiled.
     """
-    for fn in case.variants.values():  # compile and warm up
-        _block(fn())
-        _block(fn())
+    for name, fn in case.variants.items():  # compile and warm up
+        start = time.perf_counter()
+        for _ in range(1 + warmup):
+            _block(fn())
+        print(f"  {case.name}: {name} compiled and run in {time.perf_counter() - start:.1f} s")
     per_round = {name: [] for name in case.variants}
     for _ in range(rounds):
         for name, fn in case.variants.items():
@@ -85,23 +123,39 @@ def time_case(case: Case, *, rounds: int, inner: int) -> dict:
             "ms": 1e3 * statistics.median(ts),
             "ratio": statistics.median(t / b for t, b in zip(ts, base, strict=True)),
             "tflops": case.flops / statistics.median(ts) / 1e12 if case.flops else None,
+            "compile_s": getattr(case.variants[name], "compile_s", None),
+            "first_run_s": getattr(case.variants[name], "first_run_s", None),
         }
         for name, ts in per_round.items()
     }
 
 
-def run_cases(cases: list[Case], *, rounds: int, inner: int, device: str, start: float) -> list:
-    """Times each case in turn (until the time budget is spent); one row per variant."""
+def run_cases(
+    cases: list[Case | Callable[[], Case]],
+    *,
+    rounds: int,
+    inner: int,
+    device: str,
+    start: float,
+    warmup: int = 1,
+) -> list:
+    """Times each case in turn (until the time budget is spent); one row per variant.
+
+    A case may be a function that builds it (its inputs then exist only while it is timed).
+    Each case's rows are printed as soon as it is timed.
+    """
     rows = []
     for case in cases:
         if time.perf_counter() - start > BUDGET_S:
-            print(f"skipped (time budget spent): {case.name}")
+            print(f"skipped (time budget spent): {getattr(case, 'name', case)}")
             continue
         try:
-            timings = time_case(case, rounds=rounds, inner=inner)
+            case = case if isinstance(case, Case) else case()
+            timings = time_case(case, rounds=rounds, inner=inner, warmup=warmup)
         except Exception as err:  # a variant that does not compile here is reported, not fatal
-            print(f"{case.name}: failed: {type(err).__name__}: {str(err)[:300]}")
-            rows.append({"case": case.name, "device": device, "error": str(err)[:1000]})
+            name = getattr(case, "name", str(case))
+            print(f"{name}: failed: {type(err).__name__}: {str(err)[:300]}")
+            rows.append({"case": name, "device": device, "error": str(err)[:1000]})
             continue
         for variant, t in timings.items():
             rows.append(
@@ -113,6 +167,11 @@ def run_cases(cases: list[Case], *, rounds: int, inner: int, device: str, start:
                     **t,
                 }
             )
+            print(f"{case.name}: {variant}: {t['ms']:.3f} ms, {t['ratio']:.3f} x {case.baseline}")
+        parts = sum_of_parts(rows, case.name)
+        if parts:
+            rows.append(parts)
+            print(f"{case.name}: {parts['variant']}: {parts['ratio']:.3f} x {case.baseline}")
     return rows
 
 
@@ -120,17 +179,33 @@ def run_cases(cases: list[Case], *, rounds: int, inner: int, device: str, start:
 
 TOKENS, D_MODEL, D_MLP, VOCAB = 8192, 1024, 4096, 32768
 
-# (name, M, N, K)
-GEMM_SHAPES = [
-    ("8192x1024x4096", 8192, 1024, 4096),
-    ("8192x4096x1024", 8192, 4096, 1024),
-    ("lm qkv projection", TOKENS, 3 * D_MODEL, D_MODEL),
-    ("lm attention output", TOKENS, D_MODEL, D_MODEL),
-    ("lm logits", TOKENS, VOCAB, D_MODEL),
-    ("lm logits grad_lhs", TOKENS, D_MODEL, VOCAB),
-    ("lm logits grad_rhs", D_MODEL, VOCAB, TOKENS),
-    ("lm mlp grad_rhs", D_MODEL, D_MLP, TOKENS),
-]
+# size -> [(name, M, N, K)]
+GEMM_SHAPES = {
+    "lm": [
+        ("8192x1024x4096", 8192, 1024, 4096),
+        ("8192x4096x1024", 8192, 4096, 1024),
+        ("lm qkv projection", TOKENS, 3 * D_MODEL, D_MODEL),
+        ("lm attention output", TOKENS, D_MODEL, D_MODEL),
+        ("lm logits", TOKENS, VOCAB, D_MODEL),
+        ("lm logits grad_lhs", TOKENS, D_MODEL, VOCAB),
+        ("lm logits grad_rhs", D_MODEL, VOCAB, TOKENS),
+        ("lm mlp grad_rhs", D_MODEL, D_MLP, TOKENS),
+    ],
+    # One tile and one K panel: interpreted, a kernel call takes seconds.
+    "tiny": [("tiny", 128, 64, 64)],
+}
+# The parts of the checked GEMM, each timed alone (the kernel with correct=True).
+STAGES = ("before: over B", "before: over A", "before: A and B", "kernel", "after")
+PARTS = ("before: A and B", "kernel", "after")
+
+
+def block_sizes_for(size: str):
+    """The kernel's tiles: the default, or the smallest for the interpreter."""
+    from sdcguard.protection.pallas import BlockSizes
+
+    if size == "tiny":
+        return BlockSizes(tile_m=64, tile_n=64, max_concurrent_steps=2)
+    return BlockSizes()
 
 
 def _jax_hopper_gemm():
@@ -149,51 +224,123 @@ def _jax_hopper_gemm():
     return lambda a, b: hopper.matmul(a, b, None, config)
 
 
-def gemm_cases(dtype=jnp.bfloat16) -> list[Case]:
-    """The GEMM cases: JAX's Hopper GEMM and the checked GEMM (3 modes) vs cuBLAS."""
+def stage_variants(a, b, block_sizes) -> dict[str, Compiled]:
+    """Each part of the checked GEMM (:data:`STAGES`) compiled alone, on the outputs of the
+    part before it (computed here, once)."""
+    from sdcguard import ABFTConfig
+    from sdcguard.protection.pallas import matmul, resolve_interpret, verify
+
+    a3, b3 = a[None], b[None]  # as checked_matmul batches 2-D operands
+    bs = block_sizes
+    transposed = not resolve_interpret(None)  # Bc's layout for the compiled kernel
+    over_b = functools.partial(
+        matmul.pass_over_b, a_shape=a3.shape, check=True, block_sizes=bs, transposed=transposed
+    )
+    over_a = functools.partial(
+        matmul.pass_over_a, b_shape=b3.shape, check=True, safety=1.0, block_sizes=bs
+    )
+
+    def before(a, b):
+        b_p, bc, scales, magnitudes = over_b(b)
+        a_p, params = over_a(a, scales, magnitudes)
+        return a_p, b_p, bc, params
+
+    kernel = functools.partial(
+        matmul.run_kernel,
+        check=True,
+        out_dtype=a.dtype,
+        block_sizes=bs,
+        correct=True,
+        near_inf=ABFTConfig().near_inf,
+        num_faults=0,
+    )
+    after = functools.partial(verify.pass_after, check=True, max_recomputed=16, block_sizes=bs)
+    variants = {"before: over B": Compiled(over_b, b3)}
+    _, _, scales, magnitudes = variants["before: over B"]()
+    variants["before: over A"] = Compiled(over_a, a3, scales, magnitudes)
+    variants["before: A and B"] = Compiled(before, a3, b3)
+    prepared = variants["before: A and B"]()
+    variants["kernel"] = Compiled(kernel, *prepared)
+    c, status = variants["kernel"]()
+    variants["after"] = Compiled(after, a3, b3, c, status)
+    return variants
+
+
+def gemm_case(name: str, m: int, n: int, k: int, *, size: str, dtype=jnp.bfloat16) -> Case:
+    """One GEMM shape: cuBLAS, JAX's Hopper GEMM (not at ``tiny``), the checked GEMM three ways
+    and its parts."""
     from sdcguard.protection.pallas import matmul
 
-    hopper = _jax_hopper_gemm()
-    cases = []
-    for name, m, n, k in GEMM_SHAPES:
-        ka, kb = jax.random.split(jax.random.key(0))
-        a = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
-        b = jax.random.normal(kb, (k, n), jnp.float32).astype(dtype)
-        fns = {
-            "cublas": jax.jit(jnp.dot),
-            "jax_hopper": jax.jit(hopper),
-            "unchecked": jax.jit(lambda a, b: matmul.checked_matmul(a, b, check=False)),
-            "checked": jax.jit(matmul.checked_matmul),
-            "detect_only": jax.jit(functools.partial(matmul.checked_matmul, correct=False)),
-        }
-        cases.append(
-            Case(
-                name=f"gemm {name} ({m}x{n}x{k})",
-                baseline="cublas",
-                variants={v: functools.partial(f, a, b) for v, f in fns.items()},
-                flops=2.0 * m * n * k,
-            )
-        )
-    return cases
+    bs = block_sizes_for(size)
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
+    b = jax.random.normal(kb, (k, n), jnp.float32).astype(dtype)
+    fns = {"cublas": jnp.dot}
+    if size != "tiny":  # its tiles are larger than the tiny GEMM
+        fns["jax_hopper"] = _jax_hopper_gemm()
+    fns |= {
+        "unchecked": functools.partial(matmul.checked_matmul, check=False, block_sizes=bs),
+        "checked": functools.partial(matmul.checked_matmul, block_sizes=bs),
+        "detect_only": functools.partial(matmul.checked_matmul, correct=False, block_sizes=bs),
+    }
+    variants = {v: Compiled(f, a, b) for v, f in fns.items()}
+    variants |= {f"checked: {s}": v for s, v in stage_variants(a, b, bs).items()}
+    return Case(
+        name=f"gemm {name} ({m}x{n}x{k})",
+        baseline="cublas",
+        variants=variants,
+        flops=2.0 * m * n * k,
+    )
 
 
-def fault_corrected_on_gpu(dtype=jnp.bfloat16) -> dict:
-    """An INF injected into the checked GEMM's accumulator at 8192x1024x4096, corrected."""
+def gemm_cases(size: str = "lm", dtype=jnp.bfloat16) -> list[Callable[[], Case]]:
+    """The GEMM cases, each built when it is timed."""
+    return [
+        functools.partial(gemm_case, name, m, n, k, size=size, dtype=dtype)
+        for name, m, n, k in GEMM_SHAPES[size]
+    ]
+
+
+def sum_of_parts(rows: list[dict], case: str) -> dict | None:
+    """The checked GEMM's parts added up (medians and median ratios summed), against the whole."""
+    got = {r["variant"]: r for r in rows if r.get("case") == case and "variant" in r}
+    parts = [got.get(f"checked: {p}") for p in PARTS]
+    if any(p is None for p in parts):
+        return None
+    return {
+        "case": case,
+        "variant": "checked: sum of parts",
+        "baseline": parts[0]["baseline"],
+        "device": parts[0]["device"],
+        "ms": sum(p["ms"] for p in parts),
+        "ratio": sum(p["ratio"] for p in parts),
+        "tflops": None,
+        "compile_s": None,
+        "first_run_s": None,
+    }
+
+
+def fault_corrected(size: str = "lm", dtype=jnp.bfloat16) -> dict:
+    """An INF injected into the checked GEMM's accumulator (8192x1024x4096; tiny), corrected."""
     from sdcguard.fault_model import Fault, FaultPlan
     from sdcguard.protection.pallas import matmul
 
-    m, n, k = 8192, 1024, 4096
+    m, n, k = (8192, 1024, 4096) if size != "tiny" else GEMM_SHAPES["tiny"][0][1:]
+    bs = block_sizes_for(size)
     ka, kb = jax.random.split(jax.random.key(1))
     a = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
     b = jax.random.normal(kb, (k, n), jnp.float32).astype(dtype)
-    index = 4099 * n + 777
+    index = (m // 2 + 3) * n + 777 % n
     plan = FaultPlan.from_faults([Fault(site="bench/gemm:out", kind="inf", index=index)])
-    run = jax.jit(lambda a, b, p: matmul.checked_matmul(a, b, plan=p, site="bench/gemm:out"))
+    run = jax.jit(
+        lambda a, b, p: matmul.checked_matmul(a, b, plan=p, site="bench/gemm:out", block_sizes=bs)
+    )
     c, counts = _block(run(a, b, plan))
     clean = jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dtype)
     got, want = float(c.reshape(-1)[index]), float(clean.reshape(-1)[index])
     worst = float(jnp.max(jnp.abs(c.astype(jnp.float32) - clean.astype(jnp.float32))))
     return {
+        "shape": [m, n, k],
         "counts": np.asarray(counts).tolist(),
         "corrected_value": got,
         "clean_value": want,
@@ -206,12 +353,33 @@ def fault_corrected_on_gpu(dtype=jnp.bfloat16) -> dict:
 
 
 def attention_cases(dtype=jnp.bfloat16) -> list[Case]:
-    """Attention cases (forward+backward against cuDNN attention), added with their kernel.
-
-    Return :class:`Case` objects with ``baseline="cudnn"``; :func:`run_cases` times them.
-    """
+    """Attention cases (fwd+bwd, ``baseline="cudnn"``), added with their kernel."""
     del dtype
     return []
+
+
+# --- Trace ---------------------------------------------------------------------------------------
+
+
+def trace_case(case: Case, trace_dir: Path, *, calls: int) -> dict:
+    """Every variant of ``case`` profiled (``calls`` calls each): where its device time goes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import trace_summary
+
+    traces = {}
+    for name, fn in case.variants.items():
+        if getattr(fn, "hlo", None) is None:
+            fn()
+        where = trace_dir / name.replace(" ", "_").replace(":", "").replace(",", "")
+        traces[name] = trace_summary.profile(fn, fn.hlo, where, calls=calls)
+        t = traces[name]
+        print(
+            f"trace {case.name}: {name}: {t['device_ms_per_call']:.3f} ms of device time, "
+            f"{t['kernels_per_call']:g} kernels per call"
+        )
+        for op in t["top"][:5]:
+            print(f"    {op['ms_per_call']:.3f} ms  {op['hlo_op']}  {op['op_name'][-80:]}")
+    return traces
 
 
 # --- Report ------------------------------------------------------------------------------------
@@ -231,48 +399,96 @@ def print_table(rows: list[dict], device: str) -> None:
     from rich.table import Table
 
     table = Table(title=f"GPU kernels on {device} (median of interleaved rounds)")
-    for col in ("case", "variant", "ms", "÷ baseline", "TFLOP/s"):
+    columns = ("case", "variant", "ms", "÷ baseline", "TFLOP/s", "compile s", "1st run s")
+    for col in columns:
         table.add_column(col, justify="left" if col in ("case", "variant") else "right")
+    seconds = lambda s: "" if s is None else f"{s:.2f}"
     for r in rows:
         if "error" in r:
-            table.add_row(r["case"], "failed", "", "", "")
+            table.add_row(r["case"], "failed", "", "", "", "", "")
             continue
         tflops = "" if r["tflops"] is None else f"{r['tflops']:.0f}"
-        table.add_row(r["case"], r["variant"], f"{r['ms']:.3f}", f"{r['ratio']:.3f}", tflops)
-    Console().print(table)
+        table.add_row(
+            r["case"],
+            r["variant"],
+            f"{r['ms']:.3f}",
+            f"{r['ratio']:.3f}",
+            tflops,
+            seconds(r.get("compile_s")),
+            seconds(r.get("first_run_s")),
+        )
+    Console(width=max(Console().width, 120)).print(table)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--inner", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=None, help="default 7 (tiny: 1)")
+    parser.add_argument("--inner", type=int, default=None, help="default 10 (tiny: 1)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench_gpu_kernels.json"))
+    parser.add_argument("--size", choices=sorted(GEMM_SHAPES), default=None)
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="run without a GPU (--size tiny; the kernels in Mosaic GPU interpret mode)",
+    )
+    parser.add_argument(
+        "--trace", type=Path, default=None, help="profile every variant of one shape into DIR"
+    )
+    parser.add_argument("--trace-shape", default=None, help="the shape --trace profiles")
     args = parser.parse_args(argv)
-    if jax.default_backend() != "gpu":
+    if args.force:
+        # The interpreter's warpgroup threads block in XLA:CPU's pool: it needs four threads.
+        os.environ.setdefault("PJRT_NPROC", "4")
+    if jax.default_backend() != "gpu" and not args.force:
         print(
             f"bench_gpu_kernels: no GPU found (JAX backend: {jax.default_backend()}); "
             "nothing timed."
         )
         return 0
+    size = args.size or ("lm" if jax.default_backend() == "gpu" else "tiny")
+    tiny = size == "tiny"
+    rounds = args.rounds or (1 if tiny else 7)
+    inner = args.inner or (1 if tiny else 10)
+    shapes = [name for name, *_ in GEMM_SHAPES[size]]
+    trace_shape = args.trace_shape or shapes[0]
+    if args.trace is not None and trace_shape not in shapes:
+        parser.error(f"--trace-shape {trace_shape!r} is not one of {shapes}")
     start = time.perf_counter()
     device = jax.devices()[0].device_kind
-    fault = fault_corrected_on_gpu()
-    print(f"injected INF on {device}: {fault}")
-    cases = gemm_cases() + attention_cases()
-    rows = run_cases(cases, rounds=args.rounds, inner=args.inner, device=device, start=start)
-    print_table(rows, device)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"bench_gpu_kernels on {device}, size {size}, jax {jax.__version__}", flush=True)
     report = {
         "device": device,
         "jax": jax.__version__,
         "commit": _commit(),
         "command": " ".join(["python", *sys.argv]),
-        "rounds": args.rounds,
-        "inner": args.inner,
-        "fault": {"device": device, **fault},
-        "rows": rows,
-        "seconds": time.perf_counter() - start,
+        "size": size,
+        "rounds": rounds,
+        "inner": inner,
     }
+    fault = fault_corrected(size)
+    print(f"injected INF on {device}: {fault}", flush=True)
+    report["fault"] = {"device": device, **fault}
+    builders = dict(zip(shapes, gemm_cases(size), strict=True))
+    if args.trace is not None:  # built once: timed, then traced
+        builders[trace_shape] = functools.cache(builders[trace_shape])
+    rows = run_cases(
+        [*builders.values(), *attention_cases()],
+        rounds=rounds,
+        inner=inner,
+        device=device,
+        start=start,
+        warmup=0 if tiny else 1,
+    )
+    print_table(rows, device)
+    report["rows"] = rows
+    if args.trace is not None:
+        case = builders[trace_shape]()
+        report["trace"] = {
+            "case": case.name,
+            "variants": trace_case(case, args.trace, calls=1 if tiny else 2),
+        }
+    report["seconds"] = time.perf_counter() - start
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out} ({report['seconds']:.0f} s)")
     return 0 if fault["ok"] else 1

@@ -21,6 +21,9 @@ in registers. Around the kernel, XLA does three small things:
   inputs define a non-finite value there; it is left as they define it), *corrected* when
   every flagged row was located, rebuilt and recomputed.
 
+Each part is a function of its own, so that a benchmark can time it alone: :func:`pass_over_b`
+and :func:`pass_over_a` (before), :func:`run_kernel`, :func:`verify.pass_after`.
+
 float32 operands (and mixed dtypes) take the XLA path (``einsum``,
 :func:`sdcguard.fault_model.apply`,
 :func:`sdcguard.protection.check_contraction`): Hopper's float32 WGMMA rounds its
@@ -69,7 +72,10 @@ def uses_kernel(a_dtype, b_dtype) -> bool:
 INTERPRET_PROGRAMS = 2
 
 
-def _num_sms(interpret: bool, tiles: int) -> int:
+def _grid(a_padded_shape, b_padded_shape, block_sizes: BlockSizes, interpret: bool) -> int:
+    """Programs (CTAs) the kernel runs on for padded operands of these shapes."""
+    batch, mp, _ = a_padded_shape
+    tiles = batch * (mp // block_sizes.cta_m) * (b_padded_shape[2] // block_sizes.tile_n)
     if interpret:
         # The interpreter runs programs one after another: the number only decides how the
         # tiles are shared out (any number is correct on the hardware).
@@ -232,6 +238,83 @@ def _xla_path(a, b, *, check, config, precision, out_dtype, faults):
     return check_contraction(c, a, b, CANONICAL, config=config, precision=precision)
 
 
+def padded_shapes(a_shape, b_shape, block_sizes: BlockSizes):
+    """``(a_padded, b_padded)`` shapes: ``M`` to ``2·tile_m``, ``N`` to ``tile_n``, ``K`` to
+    ``tile_k`` (zeros add exact zeros to every sum; ``C``'s padding is cut off after)."""
+    (batch, m, k), n, bs = a_shape, b_shape[2], block_sizes
+    mp, np_, kp = (cdiv(x, t) * t for x, t in ((m, bs.cta_m), (n, bs.tile_n), (k, bs.tile_k)))
+    return (batch, mp, kp), (batch, kp, np_)
+
+
+def pass_over_b(b, *, a_shape, check: bool, block_sizes: BlockSizes, transposed: bool):
+    """Before the kernel, over ``B``: its padding and, with ``check``, its checksum operand.
+
+    Args:
+      b: ``[batch, K, N]``; a_shape: ``A``'s ``[batch, M, K]`` (for the padded ``K``).
+      check, block_sizes: as for :func:`checked_matmul`.
+      transposed: ``Bc``'s layout (:func:`matmul_mgpu.checksum_columns`).
+
+    Returns:
+      ``(b_padded, bc, scales, magnitudes)`` (the last three None without ``check``).
+    """
+    _, b_shape = padded_shapes(a_shape, b.shape, block_sizes)
+    b_p = _pad_to(b, b_shape)
+    if not check:
+        return b_p, None, None, None
+    bc, scales, magnitudes = matmul_mgpu.checksum_columns(
+        b_p, tile_n=block_sizes.tile_n, transposed=transposed
+    )
+    return b_p, bc, scales, magnitudes
+
+
+def pass_over_a(
+    a, scales, magnitudes, *, b_shape, check: bool, safety, block_sizes: BlockSizes, injected=None
+):
+    """Before the kernel, over ``A``: its padding and, with ``check``, the per-row thresholds.
+
+    Args:
+      a: ``[batch, M, K]``; b_shape: ``B``'s ``[batch, K, N]`` (for the padded ``K``).
+      scales, magnitudes: from :func:`pass_over_b`.
+      check, safety, block_sizes: as for :func:`checked_matmul`.
+      injected: the faults' ``(hit, batch, row, col, value)`` (:func:`_injected_values`).
+
+    Returns:
+      ``(a_padded, params)`` (``params`` None without ``check``).
+    """
+    a_shape, _ = padded_shapes(a.shape, b_shape, block_sizes)
+    a_p = _pad_to(a, a_shape)
+    if not check:
+        return a_p, None
+    params = matmul_mgpu.tile_parameters(
+        a_p,
+        scales,
+        magnitudes,
+        contraction=a.shape[2],
+        tile_n=block_sizes.tile_n,
+        safety=safety,
+        faults=injected,
+    )
+    return a_p, params
+
+
+def run_kernel(a_p, b_p, bc, params, *, check: bool, interpret: bool | None = None, **kw):
+    """The kernel alone on the outputs of :func:`pass_over_a` and :func:`pass_over_b`.
+
+    Args:
+      kw: ``out_dtype``, ``block_sizes``, ``correct``, ``near_inf``, ``num_faults``
+        (:func:`matmul_mgpu.call_kernel`); interpret: as for :func:`checked_matmul`.
+
+    Returns:
+      ``(c, status)`` (padded; ``status`` None without ``check``).
+    """
+    interpret = resolve_interpret(interpret)
+    sms = _grid(a_p.shape, b_p.shape, kw["block_sizes"], interpret)
+    with _interpreting(interpret):
+        return matmul_mgpu.call_kernel(
+            a_p, b_p, bc, params, check=check, num_sms=sms, interpret=interpret, **kw
+        )
+
+
 def _kernel_path(
     a,
     b,
@@ -248,59 +331,39 @@ def _kernel_path(
     emulate,
 ):
     bs = block_sizes
-    batch, m, k = a.shape
-    n = b.shape[2]
-    mp, np_, kp = (
-        cdiv(m, bs.cta_m) * bs.cta_m,
-        cdiv(n, bs.tile_n) * bs.tile_n,
-        cdiv(k, bs.tile_k) * bs.tile_k,
+    b_p, bc, scales, magnitudes = pass_over_b(
+        b, a_shape=a.shape, check=check, block_sizes=bs, transposed=not (interpret or emulate)
     )
-    # Zero padding adds exact zeros to every sum; the padded part of C is cut off after.
-    a_p = _pad_to(a, (batch, mp, kp))
-    b_p = _pad_to(b, (batch, kp, np_))
-    bc = params = None
-    num_faults = 0
-    if check:
-        bc, scales, magnitudes = matmul_mgpu.checksum_columns(
-            b_p, tile_n=bs.tile_n, transposed=not (interpret or emulate)
-        )
-        injected = None
-        if faults is not None:
-            injected = _injected_values(a, b, faults, out_dtype)
-            num_faults = int(injected[0].shape[0])
-        params = matmul_mgpu.tile_parameters(
-            a_p,
-            scales,
-            magnitudes,
-            contraction=k,
-            tile_n=bs.tile_n,
-            safety=safety,
-            faults=injected,
-        )
+    injected = None
+    if check and faults is not None:
+        injected = _injected_values(a, b, faults, out_dtype)
+    a_p, params = pass_over_a(
+        a,
+        scales,
+        magnitudes,
+        b_shape=b.shape,
+        check=check,
+        safety=safety,
+        block_sizes=bs,
+        injected=injected,
+    )
     # What the kernel and its reference both take.
     kw = dict(
         out_dtype=out_dtype,
         block_sizes=bs,
         correct=correct,
         near_inf=float(near_inf),
-        num_faults=num_faults,
+        num_faults=0 if injected is None else int(injected[0].shape[0]),
     )
     if emulate and check:
         c, status = matmul_mgpu.reference_kernel(a_p, b_p, bc, params, **kw)
     elif emulate:
         c, status = jnp.einsum("bmk,bkn->bmn", a_p, b_p, preferred_element_type=out_dtype), None
     else:
-        sms = _num_sms(interpret, batch * (mp // bs.cta_m) * (np_ // bs.tile_n))
-        with _interpreting(interpret):
-            c, status = matmul_mgpu.call_kernel(
-                a_p, b_p, bc, params, check=check, num_sms=sms, interpret=interpret, **kw
-            )
-    if not check:
-        return c[:, :m, :n], zero_counts()
-    c, counts = verify.recompute_and_count(
-        a, b, c, status, max_recomputed=max_recomputed, tile_m=bs.tile_m, tile_n=bs.tile_n
+        c, status = run_kernel(a_p, b_p, bc, params, check=check, interpret=interpret, **kw)
+    return verify.pass_after(
+        a, b, c, status, check=check, max_recomputed=max_recomputed, block_sizes=bs
     )
-    return c[:, :m, :n], counts
 
 
 def checked_matmul_reference(

@@ -540,9 +540,62 @@ def call_kernel(
 ):
     """Launches the kernel on padded operands (``M % 2·tile_m == N % tile_n == K % 64 == 0``).
 
+    Every call with the same shapes, dtypes and static arguments reuses one traced kernel
+    (:func:`_launch`), so identical GEMMs of a step lower to byte-identical Mosaic GPU modules
+    (one kernel hash: XLA compiles the kernel once, not once per call site).
+
     Returns:
       ``c [batch, M, N]`` and, with ``check``, ``status`` float32 ``[batch, N/tile_n, 2, M]``.
     """
+    c, status = _launch(
+        a,
+        b,
+        bc if check else None,
+        params if check else None,
+        out_dtype=jnp.dtype(out_dtype),
+        block_sizes=block_sizes,
+        check=bool(check),
+        # Unchecked, the kernel has no epilogue: one key whatever the check's settings.
+        correct=bool(correct) and check,
+        near_inf=float(near_inf) if check else 0.0,
+        num_faults=int(num_faults) if check else 0,
+        num_sms=int(num_sms),
+        interpret=bool(interpret),
+    )
+    return (c, status) if check else (c, None)
+
+
+# One jit per static configuration: traced at each call site instead, the kernel's Mosaic GPU
+# module would carry that site's Python traceback in its locations, and so a kernel hash (and
+# a compilation) of its own. Cached, the first trace's jaxpr (and its lowering) serves them all.
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "out_dtype",
+        "block_sizes",
+        "check",
+        "correct",
+        "near_inf",
+        "num_faults",
+        "num_sms",
+        "interpret",
+    ),
+)
+def _launch(
+    a,
+    b,
+    bc,
+    params,
+    *,
+    out_dtype,
+    block_sizes,
+    check,
+    correct,
+    near_inf,
+    num_faults,
+    num_sms,
+    interpret,
+):
     batch, m, _ = a.shape
     n = b.shape[2]
     bs = block_sizes
@@ -573,8 +626,7 @@ def call_kernel(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         kernel_name="checked_matmul" if check else "matmul",
     )
-    c, status = call(a, b, bc, params)
-    return (c, status) if check else (c, None)
+    return call(a, b, bc, params)
 
 
 def reference_kernel(

@@ -23,8 +23,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sdcguard.protection._config import count_outcomes
-from sdcguard.protection.pallas.matmul_mgpu import LOCATED, NONFINITE_INPUT, UNCORRECTABLE
+from sdcguard.protection._config import count_outcomes, zero_counts
+from sdcguard.protection.pallas.matmul_mgpu import (
+    LOCATED,
+    NONFINITE_INPUT,
+    UNCORRECTABLE,
+    BlockSizes,
+)
 
 
 def recompute_elements(a: jax.Array, b: jax.Array, bi, m, n) -> jax.Array:
@@ -88,3 +93,30 @@ def recompute_and_count(
     unfixed = per_tile((state == UNCORRECTABLE) | beyond) & ~nonfinite
     corrected = detected & ~unfixed & ~nonfinite
     return c, count_outcomes(jnp.sum(detected), jnp.sum(corrected), jnp.sum(nonfinite))
+
+
+def pass_after(a, b, c, status, *, check: bool, max_recomputed: int, block_sizes: BlockSizes):
+    """Everything after the kernel: :func:`recompute_and_count` (with ``check``), and the
+    padding of ``c`` cut off.
+
+    Args:
+      a, b: the unpadded operands; c, status: the kernel's outputs (``status`` None unchecked).
+      check, max_recomputed, block_sizes: as for
+        :func:`sdcguard.protection.pallas.checked_matmul`.
+
+    Returns:
+      ``(c [batch, M, N], counts)``.
+    """
+    m, n = a.shape[1], b.shape[2]
+    if not check:
+        return c[:, :m, :n], zero_counts()
+    c, counts = recompute_and_count(
+        a,
+        b,
+        c,
+        status,
+        max_recomputed=max_recomputed,
+        tile_m=block_sizes.tile_m,
+        tile_n=block_sizes.tile_n,
+    )
+    return c[:, :m, :n], counts

@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import jax
@@ -391,43 +390,3 @@ def test_interpret_mode_refuses_a_pool_that_would_deadlock(monkeypatch):
     monkeypatch.setenv("PJRT_NPROC", "not a number")
     monkeypatch.setenv("NPROC", "6")
     assert _platform.xla_cpu_pool_threads() == 6
-
-
-def test_gpu_bench_script_says_no_gpu_and_exits_0():
-    import os
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[3]
-    done = subprocess.run(
-        [sys.executable, str(root / "scripts" / "bench_gpu_kernels.py")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"},
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "no GPU found" in done.stdout
-
-
-def test_gpu_bench_times_cases_interleaved():
-    """The timing harness of the GPU bench on tiny CPU cases: a row per variant, the baseline's
-    ratio 1, and the table prints."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[3] / "scripts" / "bench_gpu_kernels.py"
-    spec = importlib.util.spec_from_file_location("bench_gpu_kernels", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # dataclasses look their module up there
-    spec.loader.exec_module(bench)
-    x = jnp.ones((64, 64))
-    case = bench.Case(
-        name="tiny",
-        baseline="dot",
-        variants={"dot": lambda: jnp.dot(x, x), "twice": lambda: jnp.dot(jnp.dot(x, x), x)},
-        flops=2.0 * 64**3,
-    )
-    rows = bench.run_cases([case], rounds=3, inner=2, device="cpu", start=time.perf_counter())
-    assert [r["variant"] for r in rows] == ["dot", "twice"]
-    assert rows[0]["ratio"] == 1.0 and rows[1]["ms"] > 0
-    bench.print_table(rows, "cpu")
