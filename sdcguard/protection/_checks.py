@@ -178,25 +178,43 @@ def check_contraction(
     return repair_if(anything, repair, c)
 
 
-# What ``repair="auto"`` compiles, per backend, as measured (docs/performance.md, "Repair
-# strategies"): on an H200 a cond per GEMM costs 1.57x the plain step against 2.47x
-# branch-free; on the CPU branch-free measured fastest.
-AUTO_REPAIR = {"gpu": "cond", "cuda": "cond", "rocm": "cond"}
+# What ``repair="auto"`` compiles, as measured (docs/performance.md, "Repair strategies"): a
+# cond per GEMM cost 1.57x the plain step on an H200 against 2.47x branch-free, and on the CPU
+# 1.085-1.099x against 1.101-1.118x (the Flax-example LM's whole step, in place).
+AUTO_REPAIR = "cond"
+# What ``recompute=True`` compiles under ``repair="auto"``, per backend: a second copy of the
+# step behind a cond on a GPU (a loop there leaves the step's CUDA graph), elsewhere a loop of
+# one or two trips around one copy (half the compile time, the same clean step on the CPU).
+AUTO_RECOMPUTE = {"gpu": "cond", "cuda": "cond", "rocm": "cond"}
 
 
-def repair_strategy(config: ABFTConfig, backend: str | None = None) -> str:
-    """The repair :func:`check_contraction` compiles for ``config`` on ``backend``.
+def repair_strategy(config: ABFTConfig) -> str:
+    """The in-place repair :func:`check_contraction` compiles for ``config``.
 
     Args:
       config: its ``repair`` field.
-      backend: a JAX platform name; the default backend when None.
 
     Returns:
       ``"branch_free"``, ``"cond"`` or ``"while"``.
     """
-    if config.repair != "auto":
-        return config.repair
-    return AUTO_REPAIR.get(backend or jax.default_backend(), "branch_free")
+    return AUTO_REPAIR if config.repair == "auto" else config.repair
+
+
+def recompute_strategy(config: ABFTConfig, backend: str | None = None) -> str:
+    """How ``recompute=True`` computes a step again: ``"cond"`` or ``"while"``.
+
+    Args:
+      config: its ``repair`` field (``"branch_free"`` means the loop: nothing is computed
+        twice on every step).
+      backend: a JAX platform name; the default backend when None.
+
+    Returns:
+      ``"cond"`` (a second copy of the step behind a ``lax.cond``) or ``"while"`` (a loop of
+      one or two trips around one copy).
+    """
+    if config.repair == "auto":
+        return AUTO_RECOMPUTE.get(backend or jax.default_backend(), "while")
+    return "cond" if config.repair == "cond" else "while"
 
 
 def repair_if(flagged: jax.Array, repair, x: jax.Array) -> tuple[jax.Array, jax.Array]:

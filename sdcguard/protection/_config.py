@@ -32,8 +32,8 @@ class ABFTConfig:
       repair: how the XLA path compiles the in-place repair: ``'branch_free'`` (computed on
         every call, no control flow), ``'cond'`` (a ``lax.cond`` per GEMM: the repair runs only
         when its check fired), ``'while'`` (a loop of zero or one trips per GEMM), or
-        ``'auto'``: the one measured fastest on the backend, ``'cond'`` on a GPU and
-        ``'branch_free'`` elsewhere (docs/performance.md, "Repair strategies").
+        ``'auto'``: ``'cond'``, measured fastest on an H200 and on the CPU
+        (docs/performance.md, "Repair strategies").
       safety: multiplier on the round-off bound (1.0 is already a worst-case bound).
       near_inf: magnitude at and above which a value in a flagged line is located directly
         (the Pallas kernels, which locate single errors within a tile).
@@ -47,7 +47,8 @@ class ABFTConfig:
         detection on that second computation too is reported for the update guard to refuse.
         ``repair`` picks its control flow: ``'cond'`` (a ``lax.cond`` around a second copy of
         the step: a clean step costs detection and one predicate), otherwise a ``while`` loop
-        of one or two trips around one copy; ``'auto'`` is ``'cond'`` on a GPU.
+        of one or two trips around one copy; ``'auto'`` is ``'cond'`` on a GPU, the loop
+        elsewhere.
       per_iteration: for :func:`sdcguard.checked`: one row of counters per ``scan`` iteration
         instead of their sum.
       allow_unmatched: for :func:`sdcguard.checked`: accept ``include``/``exclude`` patterns and

@@ -19,7 +19,7 @@ from jax.flatten_util import ravel_pytree
 
 from sdcguard import fault_model as inject
 from sdcguard.protection import _sharding as sharding
-from sdcguard.protection._checks import repair_strategy
+from sdcguard.protection._checks import recompute_strategy
 from sdcguard.protection._config import ABFTConfig, Counts, unsafe_checks
 from sdcguard.protection._interpret import Program, Report, run_checked, varying
 
@@ -83,7 +83,7 @@ def run_recomputing(program: Program, config: ABFTConfig) -> tuple[list, Report]
       ``(outputs, report)`` as :func:`run_checked` gives them.
     """
     detect_only = dataclasses.replace(config, recompute=False, correct=False)
-    if repair_strategy(config) == "cond":
+    if recompute_strategy(config) == "cond":
         return _recompute_behind_cond(program, detect_only)
     return _recompute_in_loop(program, detect_only)
 

@@ -10,9 +10,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.interpreters import ad
 
-from sdcguard.protection._checks import repair_if
+from sdcguard.protection._checks import repair_if, repair_strategy
 from sdcguard.protection._config import ABFTConfig, count_outcomes
 from sdcguard.protection._sharding import device_mesh, shard_rows, sum_rows
 from sdcguard.protection._tolerance import unit_roundoff
@@ -85,6 +86,13 @@ def _check_softmax_rows_local(probs, scores, *, softmax, config):
         corrected = detected & ~upstream & ~per_matrix(still_bad)
         return fixed, count_outcomes(jnp.sum(detected), jnp.sum(corrected), jnp.sum(upstream))
 
+    if repair_strategy(config) == "cond":
+        # The default: on a GPU the conditional stays inside the step's CUDA graph, where a
+        # loop would not. The clean branch's counters come from the check's own data (zero when
+        # clean), so inside shard_map both branches are typed alike.
+        clean = count_outcomes(jnp.sum(per_matrix(bad)), 0)
+        return lax.cond(jnp.any(bad), fix, lambda probs: (probs, clean), probs)
+    # Otherwise a loop of zero or one trips (branch-free has no softmax of its own: it loops).
     return repair_if(jnp.any(bad), fix, probs)
 
 

@@ -1,5 +1,7 @@
 """The checked contraction: detection, correction, tolerance, on raw einsums."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -536,6 +538,34 @@ def test_softmax_check_repairs_rows_and_is_the_identity_for_autodiff():
     # Gradients flow to probs as if no check were there, clean or repaired.
     for probs in (jax.nn.softmax(scores), bad):
         np.testing.assert_array_equal(np.asarray(jax.grad(loss)(probs)), np.asarray(weights))
+
+
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name
+)
+@pytest.mark.parametrize("repair", ["cond", "while"])
+def test_softmax_check_repairs_alike_behind_a_cond_and_a_loop(repair, dtype):
+    """``repair='cond'`` (a GPU's default) and the loop give the same rows and counters."""
+    scores = jax.random.normal(jax.random.key(0), (2, 4, 8)).astype(dtype)
+    clean = jax.nn.softmax(scores)
+    bad = clean.at[1, 2, 3].set(jnp.nan).at[0, 1, 1].add(0.5)
+    check = jax.jit(
+        lambda probs: check_softmax_rows(probs, scores, jax.nn.softmax, ABFTConfig(repair=repair))
+    )
+    fixed, counts = check(bad)
+    assert counts.tolist() == [2, 2, 0, 0]
+    assert_close(fixed, clean, dtype)  # the two rows computed again, inside the program
+    untouched = np.ones(bad.shape[:-1], bool)
+    untouched[1, 2] = untouched[0, 1] = False
+    np.testing.assert_array_equal(
+        np.asarray(fixed, np.float32)[untouched], np.asarray(clean, np.float32)[untouched]
+    )
+    out, counts = check(clean)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clean, np.float32))
+    assert counts.tolist() == [0, 0, 0, 0]
+    text = check.lower(clean).compile().as_text()
+    assert len(re.findall(r"\s(conditional|while)\(", text)) == 1
+    assert (" conditional(" in text) == (repair == "cond")
 
 
 def test_sharding_counts_the_same_counters():

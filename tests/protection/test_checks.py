@@ -15,7 +15,7 @@ import pytest
 import sdcguard
 from sdcguard.fault_model import Fault, FaultPlan
 from sdcguard.protection import ABFTConfig, checked_einsum
-from sdcguard.protection._checks import repair_strategy
+from sdcguard.protection._checks import recompute_strategy, repair_strategy
 
 from tests.helpers.tolerances import assert_close
 
@@ -123,11 +123,15 @@ def test_the_compiled_control_flow_of_each_strategy():
 
 
 def test_auto_resolves_per_backend_and_unknown_strategies_are_refused():
-    assert repair_strategy(ABFTConfig(), "cpu") == "branch_free"
-    assert repair_strategy(ABFTConfig(), "gpu") == "cond"
-    assert repair_strategy(ABFTConfig(), "cuda") == "cond"
-    assert repair_strategy(ABFTConfig(repair="while"), "gpu") == "while"
-    assert repair_strategy(ABFTConfig(repair="cond"), "cpu") == "cond"
+    assert repair_strategy(ABFTConfig()) == "cond"
+    assert repair_strategy(ABFTConfig(repair="while")) == "while"
+    assert repair_strategy(ABFTConfig(repair="branch_free")) == "branch_free"
+    # recompute=True: a second copy behind a cond on a GPU, a loop around one copy elsewhere.
+    assert recompute_strategy(ABFTConfig(), "cpu") == "while"
+    assert recompute_strategy(ABFTConfig(), "gpu") == "cond"
+    assert recompute_strategy(ABFTConfig(), "cuda") == "cond"
+    assert recompute_strategy(ABFTConfig(repair="cond"), "cpu") == "cond"
+    assert recompute_strategy(ABFTConfig(repair="branch_free"), "gpu") == "while"
     with pytest.raises(ValueError, match="repair must be one of"):
         ABFTConfig(repair="sometimes")
 

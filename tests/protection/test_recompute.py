@@ -22,25 +22,32 @@ from tests.helpers.tolerances import assert_close
 from tests.protection.test_gemm import lm_step
 
 
-def control_flow(compiled_text: str) -> int:
+def control_flow(compiled_text: str) -> dict[str, int]:
     """``while`` and ``conditional`` ops of an optimized HLO module."""
-    return len(re.findall(r"\s(?:while|conditional)\(", compiled_text))
+    return {op: len(re.findall(rf"\s{op}\(", compiled_text)) for op in ("while", "conditional")}
 
 
 @pytest.mark.parametrize(
-    "config, expected",
+    "config, loops, conditionals_per_gemm",
     [
-        pytest.param(None, 0, marks=pytest.mark.slow),
-        pytest.param(ABFTConfig(correct=False), 0, marks=pytest.mark.slow),
-        (ABFTConfig(), 0),
-        (ABFTConfig(recompute=True), 1),
+        pytest.param(None, 0, 0, marks=pytest.mark.slow),
+        pytest.param(ABFTConfig(correct=False), 0, 0, marks=pytest.mark.slow),
+        (ABFTConfig(), 0, 1),
+        (ABFTConfig(repair="branch_free"), 0, 0),
+        (ABFTConfig(recompute=True), 1, 0),
     ],
-    ids=["plain", "detect-only", "in-place", "recompute"],
+    ids=["plain", "detect-only", "in-place", "branch-free", "recompute"],
 )
-def test_a_checked_bf16_step_has_no_control_flow_per_gemm(config, expected):
+def test_a_checked_bf16_steps_control_flow(config, loops, conditionals_per_gemm):
+    """Detection compiles no control flow; the in-place repair one conditional per checked GEMM
+    (its branch runs only when the check fired); recompute one loop around the step (CPU)."""
     step, args = lm_step(jnp.bfloat16)
     fn = step if config is None else sdcguard.checked(step, config)
-    assert control_flow(jax.jit(fn).lower(*args).compile().as_text()) == expected
+    checked = (
+        0 if config is None else sum(s.checked for s in list_sites(step, *args, config=config))
+    )
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    assert control_flow(text) == {"while": loops, "conditional": conditionals_per_gemm * checked}
 
 
 def _computations(compiled_text: str) -> dict[str, str]:
