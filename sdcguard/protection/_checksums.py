@@ -116,7 +116,7 @@ def power_of_two_below(m: jax.Array) -> jax.Array:
 def reduce_together(terms: dict[str, tuple[str, jax.Array]], axes) -> dict[str, jax.Array]:
     """Sums and maxima of arrays of one shape over ``axes``, as one variadic reduction.
 
-    ``terms`` maps a name to ``("sum" | "max", array)``. The arrays are elementwise functions of
+    ``terms`` maps a name to ``("sum" | "max" | "min", array)``. The arrays are elementwise functions of
     one tensor (``c`` and ``|c|``; ``x·v`` and ``|x|``); one reduction with several outputs is
     one pass over that tensor, its elementwise work fused in. Separate reductions are separate
     passes, and XLA:CPU writes each one's elementwise input out in full before reducing it.
@@ -127,15 +127,18 @@ def reduce_together(terms: dict[str, tuple[str, jax.Array]], axes) -> dict[str, 
     def identity(kind, dtype):
         if kind == "sum":
             return np.array(0, dtype)
-        return np.array(
-            -np.inf if jnp.issubdtype(dtype, jnp.floating) else np.iinfo(dtype).min, dtype
-        )
+        floating = jnp.issubdtype(dtype, jnp.floating)
+        if kind == "min":
+            return np.array(np.inf if floating else np.iinfo(dtype).max, dtype)
+        return np.array(-np.inf if floating else np.iinfo(dtype).min, dtype)
+
+    combiners = {"sum": lax.add, "max": lax.max, "min": lax.min}
 
     init = tuple(identity(k, terms[n][1].dtype) for n, k in zip(names, kinds, strict=True))
 
     def combine(x, y):
         both = zip(kinds, x, y, strict=True)
-        return tuple(lax.add(p, q) if k == "sum" else lax.max(p, q) for k, p, q in both)
+        return tuple(combiners[k](p, q) for k, p, q in both)
 
     out = lax.reduce(tuple(terms[n][1] for n in names), init, combine, tuple(axes))
     return dict(zip(names, out, strict=True))
@@ -191,8 +194,16 @@ def _contract_with_line_sums(
     # |B|e grows). Taken as a reduction, the scale is computed once: as an elementwise function
     # of a max, XLA copies its bit arithmetic into each of the check's fusions that reads it.
     batch_in_v = "".join(c for c in v_letters if c in ct.batch)
-    entry_scales = jnp.where(w > 0, power_of_two_below(w), _LARGEST_SCALE)
-    scale_v = jnp.min(entry_scales, axis=axes_of(v_letters, ct.contracted))  # batch_in_v
+    if as_dot is None:
+        as_dot = products_as_dot(x_letters, ct, x.dtype)
+    # The dot's magnitude bound needs Σ|B|e over the contracted axes too: one reduction of w
+    # gives both (the sum scaled after it, by a power of two: exact).
+    wants_total = as_dot and not x_nonnegative
+    per_matrix = {"scale": ("min", jnp.where(w > 0, power_of_two_below(w), _LARGEST_SCALE))}
+    if wants_total:
+        per_matrix["w_total"] = ("sum", w)
+    per_matrix = reduce_together(per_matrix, axes_of(v_letters, ct.contracted))
+    scale_v = per_matrix["scale"]  # letters batch_in_v
     on_v = scale_v.reshape([w.shape[i] if c in ct.batch else 1 for i, c in enumerate(v_letters)])
     v = sums["v"] * on_v
     w = w * on_v
@@ -205,9 +216,6 @@ def _contract_with_line_sums(
         shape = [x.shape[i] if c in v_letters else 1 for i, c in enumerate(x_letters)]
         return jnp.transpose(t, [v_letters.index(c) for c in order]).reshape(shape)
 
-    if as_dot is None:
-        as_dot = products_as_dot(x_letters, ct, x.dtype)
-
     if as_dot:
         ref = _gemv(x, x_letters, v, v_letters, ct.contracted, kept)
         if x_nonnegative:
@@ -216,7 +224,7 @@ def _contract_with_line_sums(
             magnitude = _gemv(x, x_letters, w, v_letters, ct.contracted, kept)
         else:
             x_max = jnp.max(jnp.abs(x), axis=contracted_axes).astype(f32)
-            w_total = jnp.sum(w, axis=axes_of(v_letters, ct.contracted))  # letters batch_in_v
+            w_total = per_matrix["w_total"] * scale_v  # letters batch_in_v
             magnitude = x_max * along(w_total, batch_in_v, kept, x_max.shape)
     else:
         # The products and the exact magnitude |x|·w as one reduction: one pass over x.

@@ -576,6 +576,17 @@ def test_sharding_counts_the_same_counters():
     assert _sharding.zero_rows(mesh).shape[-1] == len(Counts._fields) == zero_counts().shape[0]
 
 
+def _all_eqns(jaxpr):
+    """The equations of ``jaxpr`` and of every jaxpr inside it (a cond's branches, ...)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _all_eqns(inner)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_where_the_backend_sums_low_precision_in_float32_the_row_reads_b_as_stored(
     monkeypatch, dtype
@@ -596,7 +607,7 @@ def test_where_the_backend_sums_low_precision_in_float32_the_row_reads_b_as_stor
 
     recompute_dots = [
         e
-        for e in jax.make_jaxpr(check)(corrupted, a, b).eqns
+        for e in _all_eqns(jax.make_jaxpr(check)(corrupted, a, b).jaxpr)
         if e.primitive.name == "dot_general" and e.invars[1].aval.shape == b.shape
     ]
     assert len(recompute_dots) == 1

@@ -146,10 +146,10 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%\S+ = (?:\(.*?\)|\S+) ([\w-]+)\(")
 # In place behind a cond adds to detection the predicate, the conditional and the operands its
 # branch reads (for bf16/fp16 on XLA:CPU, A and B rounded as stored, and C, as separate copies).
 EXTRA_KERNELS = {  # (mode, dtype) -> at most this many kernels more than the plain GEMM
-    ("detect", jnp.float32): 13,
+    ("detect", jnp.float32): 8,
     ("detect", jnp.bfloat16): 11,
     ("detect", jnp.float16): 8,
-    ("cond", jnp.float32): 15,
+    ("cond", jnp.float32): 10,
     ("cond", jnp.bfloat16): 14,
     ("cond", jnp.float16): 12,
 }
