@@ -114,12 +114,13 @@ def power_of_two_below(m: jax.Array) -> jax.Array:
 
 
 def reduce_together(terms: dict[str, tuple[str, jax.Array]], axes) -> dict[str, jax.Array]:
-    """Sums and maxima of arrays of one shape over ``axes``, as one variadic reduction.
+    """Sums, maxima and minima of arrays of one shape over ``axes``, as one variadic reduction.
 
-    ``terms`` maps a name to ``("sum" | "max" | "min", array)``. The arrays are elementwise functions of
-    one tensor (``c`` and ``|c|``; ``x·v`` and ``|x|``); one reduction with several outputs is
-    one pass over that tensor, its elementwise work fused in. Separate reductions are separate
-    passes, and XLA:CPU writes each one's elementwise input out in full before reducing it.
+    ``terms`` maps a name to ``("sum" | "max" | "min", array)``. The arrays are elementwise
+    functions of one tensor (``c`` and ``|c|``; ``x·v`` and ``|x|``); one reduction with several
+    outputs is one pass over that tensor, its elementwise work fused in. Separate reductions are
+    separate passes, and XLA:CPU writes each one's elementwise input out in full before reducing
+    it.
     """
     names = list(terms)
     kinds = [terms[n][0] for n in names]
