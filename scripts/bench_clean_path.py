@@ -1,9 +1,11 @@
 """What a checked step costs before it runs: control flow, compile time, program size, bytes.
 
-The GPU costs that a CPU can show (``while``/``conditional`` ops, each a host sync on XLA:GPU;
-compile time; HLO size; XLA's bytes-accessed estimate) for a Flax-example LM step (2 layers,
-d 256, MLP 1024, seq 256, batch 8, Adam) in bf16 compute with fp32 parameters: plain, and under
-``sdcguard.checked`` detect-only, in place and recompute on detection. Compile times are the
+The GPU costs that a CPU can show (``while``/``conditional`` ops: a loop leaves XLA:GPU's CUDA
+graphs, a conditional stays in them; compile time; HLO size; XLA's bytes-accessed estimate) for
+a Flax-example LM step (2 layers, d 256, MLP 1024, seq 256, batch 8, Adam) in bf16 compute with
+fp32 parameters: plain, and under ``sdcguard.checked`` detect-only, in place (the default
+repair, a cond per GEMM, and branch-free) and recompute on detection (a loop on the CPU, and the
+GPU's cond). Compile times are the
 median of ``--repeats`` compilations, interleaved.
 
     python scripts/bench_clean_path.py --out runs/bench_clean_path.json
@@ -34,7 +36,9 @@ VARIANTS = {
     "plain": None,
     "detect only": ABFTConfig(correct=False),
     "in place": ABFTConfig(),
+    "in place, branch-free": ABFTConfig(repair="branch_free"),
     "recompute": ABFTConfig(recompute=True),
+    "recompute, cond": ABFTConfig(recompute=True, repair="cond"),
 }
 
 
