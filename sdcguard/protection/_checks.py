@@ -84,9 +84,10 @@ def check_contraction(
     # one failed where the inputs alone define a non-finite row sum (an operand already held a
     # NaN or INF: doomed upstream), and, to repair in place, how many rows failed.
     bad_row = rows.bad()
+    # As booleans: a matrix's ``detected`` is the repair's predicate as it is, no kernel of its own.
     terms = {
-        "detected": ("max", per_matrix(bad_row).astype(jnp.int8)),
-        "upstream": ("max", per_matrix(bad_row & ~jnp.isfinite(rows.ref)).astype(jnp.int8)),
+        "detected": ("max", per_matrix(bad_row)),
+        "upstream": ("max", per_matrix(bad_row & ~jnp.isfinite(rows.ref))),
     }
     if config.correct:
         terms["flagged"] = ("sum", per_matrix(bad_row).astype(jnp.int32))
@@ -105,7 +106,7 @@ def check_contraction(
         # fixed), and its numbers, one per matrix: [n_batch].
         # What the repair reads is computed here from the check's reductions: behind a cond, a
         # clean step materializes none of it.
-        detected, upstream = reduced["detected"] > 0, reduced["upstream"] > 0
+        detected, upstream = reduced["detected"], reduced["upstream"]
         row = jnp.argmax(per_matrix(rows.bad()), axis=-1).astype(jnp.uint32)
 
         def at_row(x):
@@ -166,7 +167,8 @@ def check_contraction(
     strategy = repair_strategy(config)
     if strategy == "branch_free":
         return repair(c)
-    anything = jnp.any(reduced["detected"] > 0)
+    detected = reduced["detected"]
+    anything = detected if detected.ndim == 0 else jnp.any(detected)
     if strategy == "cond":
 
         def clean(c):

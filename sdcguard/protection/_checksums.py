@@ -128,6 +128,8 @@ def reduce_together(terms: dict[str, tuple[str, jax.Array]], axes) -> dict[str, 
     def identity(kind, dtype):
         if kind == "sum":
             return np.array(0, dtype)
+        if dtype == jnp.bool_:  # max: any, min: all
+            return np.array(kind == "min")
         floating = jnp.issubdtype(dtype, jnp.floating)
         if kind == "min":
             return np.array(np.inf if floating else np.iinfo(dtype).max, dtype)
