@@ -73,8 +73,6 @@ def test_forced_tiny_run_times_each_part_of_the_checked_gemm(tmp_path):
         assert f"{rows[name]['case']}: {name}: " in done.stdout, name  # printed as timed
     parts = [rows[f"checked: {p}"] for p in bench.PARTS]
     assert rows["checked: sum of parts"]["ms"] == pytest.approx(sum(p["ms"] for p in parts))
-    # Interpreted, the kernel is nearly all of the checked GEMM's time.
-    assert rows["checked: kernel"]["ms"] > 10 * rows["checked: before: A and B"]["ms"]
     traced = report["trace"]["variants"]
     assert list(traced) == timed
     assert all(t["device_ms_per_call"] > 0 for t in traced.values())
