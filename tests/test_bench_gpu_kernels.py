@@ -47,6 +47,7 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
     assert not out.exists()  # nothing measured, nothing written
 
 
+@pytest.mark.slow  # 40 s of interpreted kernels; scripts/gpu_session.sh with FORCE=1 runs it too
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="--force on a GPU times the LM shapes")
 def test_forced_tiny_run_times_each_part_of_the_checked_gemm(tmp_path):
     """``--force --trace``: the injected INF corrected by the interpreted kernel; a row per
