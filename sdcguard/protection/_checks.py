@@ -84,13 +84,13 @@ def check_contraction(
     # one failed where the inputs alone define a non-finite row sum (an operand already held a
     # NaN or INF: doomed upstream), and, to repair in place, how many rows failed.
     bad_row = rows.bad()
-    # As booleans: a matrix's ``detected`` is the repair's predicate as it is, no kernel of its own.
+    bad = per_matrix(bad_row)
     terms = {
-        "detected": ("max", per_matrix(bad_row)),
+        "detected": ("max", bad),  # a boolean: the repair's predicate
         "upstream": ("max", per_matrix(bad_row & ~jnp.isfinite(rows.ref))),
     }
     if config.correct:
-        terms["flagged"] = ("sum", per_matrix(bad_row).astype(jnp.int32))
+        terms["flagged"] = ("sum", bad.astype(jnp.int32))
     reduced = reduce_together(terms, (len(ct.batch),))
     if not config.correct:
         # Detection only: C is passed on as it is.

@@ -101,8 +101,8 @@ def _recompute_behind_cond(program: Program, detect_only: ABFTConfig) -> tuple[l
     outs, report = run_checked(program, detect_only, inputs)
     if not report:
         return outs, report  # nothing is checked: nothing can call for a second computation
-    first = _stacked(report)
-    unravel = ravel_pytree(report)[1]
+    flat, unravel = ravel_pytree(report)
+    first = Counts.rows(flat)
 
     def again(operands):
         _, inputs = operands

@@ -90,8 +90,10 @@ def _check_softmax_rows_local(probs, scores, *, softmax, config):
         # The default: on a GPU the conditional stays inside the step's CUDA graph, where a
         # loop would not. The clean branch's counters come from the check's own data (zero when
         # clean), so inside shard_map both branches are typed alike.
-        clean = count_outcomes(jnp.sum(per_matrix(bad)), 0)
-        return lax.cond(jnp.any(bad), fix, lambda probs: (probs, clean), probs)
+        def clean(probs):
+            return probs, count_outcomes(jnp.sum(per_matrix(bad)), 0)
+
+        return lax.cond(jnp.any(bad), fix, clean, probs)
     # Otherwise a loop of zero or one trips (branch-free has no softmax of its own: it loops).
     return repair_if(jnp.any(bad), fix, probs)
 
