@@ -228,7 +228,7 @@ def stage_variants(a, b, block_sizes) -> dict[str, Compiled]:
     """Each part of the checked GEMM (:data:`STAGES`) compiled alone, on the outputs of the
     part before it (computed here, once)."""
     from sdcguard import ABFTConfig
-    from sdcguard.protection.pallas import matmul, resolve_interpret, verify
+    from sdcguard.protection.pallas import matmul, matmul_mgpu, resolve_interpret, verify
 
     a3, b3 = a[None], b[None]  # as checked_matmul batches 2-D operands
     bs = block_sizes
@@ -245,15 +245,10 @@ def stage_variants(a, b, block_sizes) -> dict[str, Compiled]:
         a_p, params = over_a(a, scales, magnitudes)
         return a_p, b_p, bc, params
 
-    kernel = functools.partial(
-        matmul.run_kernel,
-        check=True,
-        out_dtype=a.dtype,
-        block_sizes=bs,
-        correct=True,
-        near_inf=ABFTConfig().near_inf,
-        num_faults=0,
+    settings = matmul_mgpu.KernelSettings(
+        out_dtype=a.dtype, block_sizes=bs, near_inf=ABFTConfig().near_inf
     )
+    kernel = functools.partial(matmul.run_kernel, settings=settings)
     after = functools.partial(verify.pass_after, check=True, max_recomputed=16, block_sizes=bs)
     variants = {"before: over B": Compiled(over_b, b3)}
     _, _, scales, magnitudes = variants["before: over B"]()

@@ -213,6 +213,45 @@ def _softmax_as_jax_nn(scores, dtype):
     return jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(dtype)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionDropout:
+    """Flax's dropout on the attention weights, as one value.
+
+    Attributes:
+      rate: the probability of dropping a weight; 0 turns dropout off.
+      rng: the PRNG key dropout draws from (needed when it is on).
+      broadcast: one mask for all batch dimensions (Flax's ``broadcast_dropout``).
+      deterministic: True turns dropout off whatever the rate (evaluation).
+
+    Example:
+      >>> AttentionDropout(rate=0.1, rng=jax.random.key(0)).active
+      True
+    """
+
+    rate: float = 0.0
+    rng: jax.Array | None = None
+    broadcast: bool = True
+    deterministic: bool = False
+
+    @property
+    def active(self) -> bool:
+        """Whether any weight can be dropped."""
+        return not self.deterministic and self.rate > 0.0
+
+    def __call__(self, probs: jax.Array) -> jax.Array:
+        """``probs [batch..., heads, q_len, kv_len]`` with weights dropped and the rest rescaled,
+        as Flax does (a broadcast mask spans the batch and head axes)."""
+        if not self.active:
+            return probs
+        keep_prob = 1.0 - self.rate
+        shape = (1,) * (probs.ndim - 2) + probs.shape[-2:] if self.broadcast else probs.shape
+        keep = jax.random.bernoulli(self.rng, keep_prob, shape)
+        return probs * (keep.astype(probs.dtype) / jnp.asarray(keep_prob, dtype=probs.dtype))
+
+
+NO_DROPOUT = AttentionDropout()
+
+
 def _softmax(scores, dtype, force_fp32_for_softmax):
     if force_fp32_for_softmax and dtype != jnp.float32:
         return jax.nn.softmax(scores.astype(jnp.float32))
@@ -227,10 +266,7 @@ def protected_attention(
     mask: jax.Array | None = None,
     *,
     recorder: SiteRecorder,
-    broadcast_dropout: bool = True,
-    dropout_rng: jax.Array | None = None,
-    dropout_rate: float = 0.0,
-    deterministic: bool = False,
+    dropout: AttentionDropout = NO_DROPOUT,
     dtype=None,
     precision=None,
     force_fp32_for_softmax: bool = False,
@@ -253,6 +289,7 @@ def protected_attention(
       bias, mask: broadcastable to ``[batch..., heads, q_len, kv_len]``.
       recorder: receives the counters of each site; its ``config.implementation`` picks the
         XLA path or the fused Pallas kernel (docs/pallas.md).
+      dropout: dropout on the attention weights (none by default).
       sow: optional callable receiving the attention weights (Flax's ``sow_weights``).
 
     Returns:
@@ -274,8 +311,7 @@ def protected_attention(
     groups = heads // kv_heads
     depth = query.shape[-1]
     if implementation_for(recorder.config) == "pallas":
-        dropout = not deterministic and dropout_rate > 0.0
-        unsupported = _flash_unsupported(query, value, bias, groups, dropout, sow)
+        unsupported = _flash_unsupported(query, value, bias, groups, dropout.active, sow)
         if unsupported is None:
             return _flash_core(
                 query,
@@ -340,14 +376,7 @@ def protected_attention(
     if sow is not None:
         sow(probs)
 
-    if not deterministic and dropout_rate > 0.0:
-        keep_prob = 1.0 - dropout_rate
-        if broadcast_dropout:
-            dropout_shape = tuple([1] * (key.ndim - 2)) + probs.shape[-2:]
-        else:
-            dropout_shape = probs.shape
-        keep = jax.random.bernoulli(dropout_rng, keep_prob, dropout_shape)
-        probs = probs * (keep.astype(probs.dtype) / jnp.asarray(keep_prob, dtype=probs.dtype))
+    probs = dropout(probs)
 
     if groups == 1:
         spec = "...hqk,...khd->...qhd"

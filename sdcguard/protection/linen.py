@@ -43,6 +43,7 @@ from flax.linen import module as linen_module
 
 from sdcguard.fault_model import ATTENTION_SITES, GEMM_SITES, GRAD_SUFFIXES, site_name
 from sdcguard.protection._attention import (
+    AttentionDropout,
     ProjectionDotGeneral,
     SiteRecorder,
     checked_core,
@@ -419,6 +420,9 @@ def dot_product_attention(
         if owner is not None and owner.scope is None:
             owner = None  # an unbound module cannot hold counters
         recorder = SiteRecorder(owner.path if owner else ("attention",), abft or ABFTConfig())
+    dropout = AttentionDropout(
+        rate=dropout_rate, rng=dropout_rng, broadcast=broadcast_dropout, deterministic=deterministic
+    )
     sow = None
     if module is not None:
         sow = lambda w: module.sow("intermediates", "attention_weights", w)
@@ -429,10 +433,7 @@ def dot_product_attention(
         bias,
         mask,
         recorder=recorder,
-        broadcast_dropout=broadcast_dropout,
-        dropout_rng=dropout_rng,
-        dropout_rate=dropout_rate,
-        deterministic=deterministic,
+        dropout=dropout,
         dtype=dtype,
         precision=precision,
         force_fp32_for_softmax=force_fp32_for_softmax,

@@ -31,6 +31,7 @@ from flax.nnx.nn import dtypes
 
 from sdcguard.fault_model import ATTENTION_SITES, GEMM_SITES, GRAD_SUFFIXES, site_name
 from sdcguard.protection._attention import (
+    AttentionDropout,
     ProjectionDotGeneral,
     SiteRecorder,
     checked_core,
@@ -88,6 +89,9 @@ def attention_fn(
     if is_causal:
         causal = jnp.tril(jnp.ones((query.shape[-3], key.shape[-3]), bool))
         mask = causal if mask is None else jnp.logical_and(mask, causal)
+    dropout = AttentionDropout(
+        rate=dropout_rate, rng=dropout_rng, broadcast=broadcast_dropout, deterministic=deterministic
+    )
     sow = None
     if module is not None:
         sow = lambda w: module.sow(nnx.Intermediate, "attention_weights", w)
@@ -98,10 +102,7 @@ def attention_fn(
         bias,
         mask,
         recorder=recorder,
-        broadcast_dropout=broadcast_dropout,
-        dropout_rng=dropout_rng,
-        dropout_rate=dropout_rate,
-        deterministic=deterministic,
+        dropout=dropout,
         dtype=query.dtype,
         precision=precision,
         sow=sow,

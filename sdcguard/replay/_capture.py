@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -181,6 +182,22 @@ def selects(pattern: str, module: str) -> bool:
     return site_pattern(path).fullmatch(module) is not None
 
 
+class CaptureArrays(NamedTuple):
+    """The arrays a capture program taps into, each ``{tap name: array}`` but ``use_ref``.
+
+    Attributes:
+      sinks: zeros added to each differentiable tap; their gradients are its cotangents.
+      fwd_refs: the reference node's value of each tap.
+      bwd_refs: the reference node's cotangent of each differentiable tap.
+      use_ref: float32 scalar; above 0, each tap passes the reference values on.
+    """
+
+    sinks: dict[str, jax.Array]
+    fwd_refs: dict[str, jax.Array]
+    bwd_refs: dict[str, jax.Array]
+    use_ref: jax.Array
+
+
 class Hooks:
     """The ``nn.intercept_methods`` interceptor of a replay run.
 
@@ -191,25 +208,15 @@ class Hooks:
       plan: the (traced) fault plan.
       select: ``--sites`` patterns of the modules to capture (:func:`selects`); None = all.
       mode: ``None`` (no capture), ``'discover'`` (record Tap descriptions only), or
-        ``'capture'`` (record values, swap in references when ``use_ref``).
-      sinks, fwd_refs, bwd_refs, use_ref: arrays of the capture program (mode 'capture').
+        ``'capture'`` (record values, swap in references when ``arrays.use_ref``).
+      arrays: what the taps read (mode ``'capture'``).
     """
 
-    def __init__(
-        self,
-        plan,
-        *,
-        select=None,
-        mode=None,
-        sinks=None,
-        fwd_refs=None,
-        bwd_refs=None,
-        use_ref=None,
-    ):
+    def __init__(self, plan, *, select=None, mode=None, arrays: CaptureArrays | None = None):
         self.plan = plan
         self.select = select
         self.mode = mode
-        self.sinks, self.fwd_refs, self.bwd_refs, self.use_ref = sinks, fwd_refs, bwd_refs, use_ref
+        self.arrays = arrays
         self.taps: list[Tap] = []
         self.records: dict[str, jax.Array] = {}
         self._stack: list[str] = []
@@ -240,11 +247,12 @@ class Hooks:
             )
             return x
         self.records[name] = x
+        arrays = self.arrays
         if diff:
             return _swap(
-                x, self.sinks[name], self.fwd_refs[name], self.bwd_refs[name], self.use_ref
+                x, arrays.sinks[name], arrays.fwd_refs[name], arrays.bwd_refs[name], arrays.use_ref
             )
-        return jnp.where(self.use_ref > 0, self.fwd_refs[name], x)
+        return jnp.where(arrays.use_ref > 0, arrays.fwd_refs[name], x)
 
     def __call__(self, next_fun, args, kwargs, context):
         method = context.method_name
@@ -427,15 +435,8 @@ class Programs:
         task = self.task
 
         def loss_fn(p, s):
-            hooks = Hooks(
-                plan,
-                select=self.select,
-                mode="capture",
-                sinks=s,
-                fwd_refs=fwd_refs,
-                bwd_refs=bwd_refs,
-                use_ref=use_ref,
-            )
+            arrays = CaptureArrays(s, fwd_refs, bwd_refs, use_ref)
+            hooks = Hooks(plan, select=self.select, mode="capture", arrays=arrays)
             loss = _forward(task, p, batch, plan.current_step, hooks, plan)
             return loss, hooks.records
 

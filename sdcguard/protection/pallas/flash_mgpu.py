@@ -372,6 +372,48 @@ def _threshold(bound, scale, *, contraction, line, config, extra=0.0):
     )
 
 
+def _kernel_refs(refs, has_mask: bool, n_tables: int):
+    """``(mask ref or None, fault table refs, the rest)`` from the refs after a kernel's
+    operands: the mask's (when there is one), two per present fault table (ints, values), then
+    the outputs' and the scratch."""
+    mask_ref = None
+    if has_mask:
+        mask_ref, refs = refs[0], refs[1:]
+    return mask_ref, refs[: 2 * n_tables], refs[2 * n_tables :]
+
+
+def _copy_in(copies, barrier):
+    """Starts the ``(gmem ref, smem ref)`` TMA copies under one barrier and waits for them all
+    (the barrier expects ``len(copies)`` arrivals)."""
+    for src, dst in copies:
+        plgpu.copy_gmem_to_smem(src, dst, barrier)
+    plgpu.barrier_wait(barrier)
+
+
+def _write_out(flags, flags_smem, copies):
+    """Writes the per-row ``flags`` (``[m]`` each, zero rows after them up to ``_FLAG_ROWS``)
+    into ``flags_smem [_FLAG_ROWS, m]``, then the ``(smem ref, gmem ref)`` copies out, waited
+    for."""
+    for r, f in enumerate(flags):
+        flags_smem.at[r][...] = f
+    zero = flags[0] * 0.0
+    for r in range(len(flags), _FLAG_ROWS):
+        flags_smem.at[r][...] = zero
+    plgpu.commit_smem()
+    for src, dst in copies:
+        plgpu.copy_smem_to_gmem(src, dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _inject(faults, name, tile, **where):
+    """``tile`` with the faults of site ``name`` injected (``faults``: name -> (ints ref,
+    values ref, count); ``where``: the tile's coordinates, as :func:`inject_tile` takes them)."""
+    if name not in faults:
+        return tile
+    ints, vals, count = faults[name]
+    return inject_tile(tile, (ints, vals), count, **where)
+
+
 # --- The kernel --------------------------------------------------------------------------------
 
 
@@ -419,10 +461,9 @@ def forward(
     u32 = unit_roundoff(jnp.float32)
 
     def kernel(q_ref, k_ref, v_ref, kchk_ref, kscal_ref, vvec_ref, qmax_ref, *refs):
-        if has_mask:
-            mask_ref, refs = refs[0], refs[1:]
-        table_refs = refs[: 2 * len(names)]
-        out_ref, lse_ref, flags_ref, scoped = refs[2 * len(names) :]
+        mask_ref, table_refs, (out_ref, lse_ref, flags_ref, scoped) = _kernel_refs(
+            refs, has_mask, len(names)
+        )
         smem, tsmem, barriers = scoped
         qo2, k_smem, v_smem, kchk_smem, vvec_smem, kscal2, qmax2, lse2, flags2 = smem[:9]
         k_bar, v_bar, setup_bar, k_done, v_done, schedule = barriers[:6]
@@ -454,14 +495,13 @@ def forward(
                 for i, n in enumerate(names)
             }
             q_base = lax.axis_index("q_seq") * (2 * bq) + wg * bq
-            setup = setup_bar.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), head], qo, setup)
-            plgpu.copy_gmem_to_smem(kscal_ref.at[batch, head], kscal_s, setup)
-            plgpu.copy_gmem_to_smem(qmax_ref.at[batch, head, pl.ds(q_base, bq)], qmax_s, setup)
-            for i in range(len(names)):
-                plgpu.copy_gmem_to_smem(table_refs[2 * i], tsmem[2 * i].at[wg], setup)
-                plgpu.copy_gmem_to_smem(table_refs[2 * i + 1], tsmem[2 * i + 1].at[wg], setup)
-            plgpu.barrier_wait(setup)
+            setup_copies = [
+                (q_ref.at[batch, pl.ds(q_base, bq), head], qo),
+                (kscal_ref.at[batch, head], kscal_s),
+                (qmax_ref.at[batch, head, pl.ds(q_base, bq)], qmax_s),
+                *zip(table_refs, (t.at[wg] for t in tsmem), strict=True),
+            ]
+            _copy_in(setup_copies, setup_bar.at[wg])
             row_layout = plgpu.Layout.WGMMA.reduce(1)
             col_layout = plgpu.Layout.WGMMA.reduce(0)
             q_max = _load_vector(qmax_s, row_layout)
@@ -506,31 +546,11 @@ def forward(
                 sums = _mma(qo, kchk_smem.at[slot], (bq, _KSUM_ROWS), transpose_b=True)
                 schedule_barrier()
                 plgpu.barrier_arrive(k_done.at[slot])
-                if "scores" in faults:
-                    ints, vals, count = faults["scores"]
-                    s = inject_tile(s, (ints, vals), count, c0=batch, c1=head, rows=q_rows,
-                                cols=k_cols)  # fmt: skip
+                s = _inject(faults, "scores", s, c0=batch, c1=head, rows=q_rows, cols=k_cols)
                 f_s = (flags[0], flags[1])
                 if chk_s:
-                    col8 = _iota((bq, _KSUM_ROWS), 1)
-                    expected = jnp.sum(jnp.where(col8 < 3, sums, 0.0), axis=1)
-                    weighted = jnp.sum(jnp.where((col8 >= 3) & (col8 < 6), sums, 0.0), axis=1)
-                    scale = kscal_s[_KSCAL * step]
-                    bound = q_max * kscal_s[_KSCAL * step + 1]
-                    w_bound = q_max * kscal_s[_KSCAL * step + 2]
-                    # The three-term split of the key sums is exact to ~2^-24 of each term
-                    # (fp16: to its subnormal spacing 2^-24 of the scaled sums, < 1).
-                    split = 2.0**-22 * bound + 2.0**-23 * d * q_max
-                    w_split = 2.0**-22 * w_bound + 2.0**-23 * d * bk * q_max
-                    chk = _RowCheck(
-                        expected=expected,
-                        weighted=weighted,
-                        threshold=_threshold(bound, scale, contraction=d, line=bk,
-                                             config=config, extra=split),
-                        weighted_threshold=_threshold(w_bound, scale, contraction=d, line=bk,
-                                                      config=config, extra=w_split),
-                    )  # fmt: skip
-                    s, det, unc = _check_rows(s, chk, scale, config=config)
+                    s, det, unc = _narrow_check(s, sums, q_max, kscal_s, step, contraction=d,
+                                                line=bk, config=config)  # fmt: skip
                     f_s = (jnp.maximum(flags[0], det), jnp.maximum(flags[1], unc))
                 # Softmax in base 2 (m is kept scaled by log2(e), as in FA3).
                 s2 = s * (sm_scale * LOG2E)
@@ -546,10 +566,7 @@ def forward(
                 alpha = jnp.exp2(m_i - m_next)
                 p = jnp.exp2(s2 - _rows(m_next, s_shape))
                 l_cur = jnp.sum(p, axis=1)
-                if "probs" in faults:
-                    ints, vals, count = faults["probs"]
-                    p = inject_tile(p, (ints, vals), count, c0=batch, c1=head, rows=q_rows,
-                                cols=k_cols)  # fmt: skip
+                p = _inject(faults, "probs", p, c0=batch, c1=head, rows=q_rows, cols=k_cols)
                 f_p = (flags[2], flags[3])
                 if chk_p:
                     p, l_cur, det, unc = _check_softmax(p, l_cur, s2, m_next, bk, u32, config)
@@ -571,12 +588,9 @@ def forward(
                 def _():
                     plgpu.barrier_wait(k_bar.at[lax.rem(step + 1, jnp.array(slots, step.dtype))])
 
-                if "context" in faults:
-                    ints, vals, count = faults["context"]
-                    o_t = inject_tile(
-                        o_t, (ints, vals), count, c0=batch, c1=head,
-                        rows=q_base + _iota(o_shape, 0), cols=_iota(o_shape, 1), enabled=step == 0,
-                    )  # fmt: skip
+                o_t = _inject(faults, "context", o_t, c0=batch, c1=head,
+                              rows=q_base + _iota(o_shape, 0), cols=_iota(o_shape, 1),
+                              enabled=step == 0)  # fmt: skip
                 if chk_c:
                     one = jnp.float32(1.0)
                     chk = _RowCheck(
@@ -623,16 +637,13 @@ def forward(
                 # backward kernels, so is its log-sum-exp (as the Triton forward leaves it).
                 lse = jnp.where(m_i <= MASK_VALUE, MASK_VALUE + jnp.log(l_i), lse)
             lse_s[...] = lse
-            for r, f in enumerate(flags):
-                flags_s.at[r][...] = f
-            zero = flags[0] * 0.0
-            for r in range(len(flags), _FLAG_ROWS):
-                flags_s.at[r][...] = zero
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo, out_ref.at[batch, pl.ds(q_base, bq), head])
-            plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[batch, head, pl.ds(q_base, bq)])
-            plgpu.copy_smem_to_gmem(flags_s, flags_ref.at[batch, head, :, pl.ds(q_base, bq)])
-            plgpu.wait_smem_to_gmem(0)
+            rows = pl.ds(q_base, bq)
+            out_copies = [
+                (qo, out_ref.at[batch, rows, head]),
+                (lse_s, lse_ref.at[batch, head, rows]),
+                (flags_s, flags_ref.at[batch, head, :, rows]),
+            ]
+            _write_out(flags, flags_s, out_copies)
 
         @pl.when(wg == 2)
         def _memory():
@@ -800,6 +811,8 @@ def _narrow_check(c, sums, a_max, scal_ref, tile, *, contraction, line, config):
     scale = scal_ref[_KSCAL * tile]
     bound = a_max * scal_ref[_KSCAL * tile + 1]
     w_bound = a_max * scal_ref[_KSCAL * tile + 2]
+    # The three-term split of B's sums is exact to ~2^-24 of each term (fp16: to its
+    # subnormal spacing 2^-24 of the scaled sums, < 1).
     split = 2.0**-22 * bound + 2.0**-23 * contraction * a_max
     w_split = 2.0**-22 * w_bound + 2.0**-23 * contraction * line * a_max
     chk = _RowCheck(
@@ -843,6 +856,70 @@ def _max_flags(flags, slot, det, unc):
     return tuple(flags)
 
 
+def _block_copies(at, rows, refs, smem):
+    """The ``(gmem ref, smem ref)`` copies a backward kernel's block starts with: the ``rows``
+    of its two ``[B, T, H, D]`` operands and of its ``[B, H, r, T]`` per-row vectors, then the
+    other side's two ``[B, H, n]`` tile scalars (:func:`tile_column_sums`).
+
+    Args:
+      at: ``(batch, head)``.
+      rows: the block's rows (a ``pl.ds``).
+      refs, smem: ``(a, b, vectors, a_scalars, b_scalars)``, in global and shared memory.
+    """
+    batch, head = at
+    a, b, vec, a_scal, b_scal = refs
+    srcs = (
+        a.at[batch, rows, head],
+        b.at[batch, rows, head],
+        vec.at[batch, head, :, rows],
+        a_scal.at[batch, head],
+        b_scal.at[batch, head],
+    )
+    return list(zip(srcs, smem, strict=True))
+
+
+def _mask_tile(mask_ref, rows, cols):
+    """The ``[rows, cols]`` tile of a ``[Bm, Hm, T, T']`` mask at this block's batch and head
+    (``Bm``, ``Hm``: 1, broadcast, or full)."""
+    mb, mh = mask_ref.shape[:2]
+    b = lax.axis_index("batch") if mb > 1 else 0
+    h = lax.axis_index("heads") if mh > 1 else 0
+    return mask_ref.at[b, h, rows, cols]
+
+
+def _step_copies(at, step, size, refs, smem, mask):
+    """The ``(gmem ref, smem ref)`` copies of step ``step`` of a backward kernel's loop, whose
+    ``size`` rows from ``step·size`` it copies: of two ``[B, T, H, D]`` operands, then their
+    ``[B, H, n·8, D]`` checksum tiles ``step`` (:func:`tile_column_sums`), the ``[B, H, r, T]``
+    per-row vectors and the mask tile.
+
+    Args:
+      at: ``(batch, head)``.
+      step: the loop index.
+      size: rows per step.
+      refs, smem: ``(a, b, a_checksums, b_checksums, vectors)``, in global and shared memory.
+      mask: ``(mask ref, its smem tile, the block's rows)`` (the tile is ``[block, step]``), or
+        None.
+    """
+    batch, head = at
+    rows = pl.ds(step * size, size)
+    a, b, a_chk, b_chk, vec = refs
+    tile8 = pl.ds(step * _KSUM_ROWS, _KSUM_ROWS)
+    srcs = [
+        a.at[batch, rows, head],
+        b.at[batch, rows, head],
+        a_chk.at[batch, head, tile8],
+        b_chk.at[batch, head, tile8],
+        vec.at[batch, head, :, rows],
+    ]
+    smem = list(smem)
+    if mask is not None:
+        mask_ref, mask_smem, block_rows = mask
+        srcs.append(_mask_tile(mask_ref, block_rows, rows))
+        smem.append(mask_smem)
+    return list(zip(srcs, smem, strict=True))
+
+
 def backward(q, k, v, out, lse, do, *, causal, sm_scale, config, tables, blocks, mask=None):
     """dQ, dK, dV of checked flash attention on Mosaic GPU.
 
@@ -874,12 +951,6 @@ def backward(q, k, v, out, lse, do, *, causal, sm_scale, config, tables, blocks,
     col_layout = plgpu.Layout.WGMMA.reduce(0)
     f32 = jnp.float32
 
-    def mask_tile(mask_ref, rows, cols, transpose):
-        mb, mh = mask_ref.shape[:2]
-        b = lax.axis_index("batch") if mb > 1 else 0
-        h = lax.axis_index("heads") if mh > 1 else 0
-        return mask_ref.at[b, h, rows, cols]
-
     def scores_of(s, q_idx, k_idx, keep_tile):
         """Scaled, masked scores in natural units (the Triton kernels' convention)."""
         s = s * sm_scale
@@ -892,6 +963,9 @@ def backward(q, k, v, out, lse, do, *, causal, sm_scale, config, tables, blocks,
             return jnp.where(q_idx >= k_idx, s, -jnp.inf)
         return s
 
+    def tile(n):
+        return plgpu.SMEM((n, d), dtype, transforms=tiled)
+
     def table_scratch(names):
         return [
             plgpu.SMEM(a.shape, a.dtype)
@@ -902,17 +976,83 @@ def backward(q, k, v, out, lse, do, *, causal, sm_scale, config, tables, blocks,
     def table_ops(names):
         return [a for n in names for a in (present[n].ints, present[n].values)]
 
-    def faults_of(names, table_refs, table_smem):
-        return {
-            n: (table_smem[2 * i], table_smem[2 * i + 1], present[n].count)
-            for i, n in enumerate(names)
-        }
+    def open_block(grid_name, size, refs, smem, tables, barrier):
+        """The start of a backward kernel: finds its block (``size`` rows along ``grid_name``),
+        copies the block's operands (:func:`_block_copies` of ``refs``, ``smem``) and the fault
+        tables (``tables``: sites, their refs, their shared memory) in and waits.
 
-    def inject(faults, name, tile, **kw):
-        if name not in faults:
-            return tile
-        ints, vals, count = faults[name]
-        return inject_tile(tile, (ints, vals), count, **kw)
+        Returns:
+          ``(batch, head, base, rows, faults)``: the block's first row and rows; the faults by
+          site (ints ref, values ref, count).
+        """
+        batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+        base = lax.axis_index(grid_name) * size
+        rows = pl.ds(base, size)
+        sites, table_refs, table_smem = tables
+        copies = _block_copies((batch, head), rows, refs, smem)
+        _copy_in([*copies, *zip(table_refs, table_smem, strict=True)], barrier)
+        faults = {
+            n: (table_smem[2 * i], table_smem[2 * i + 1], present[n].count)
+            for i, n in enumerate(sites)
+        }
+        return batch, head, base, rows, faults
+
+    def probs(flags, a_smem, b_smem, checksums, q_idx, k_idx, mask_smem, lse, broadcast):
+        """A tile's recomputed probabilities: ``S = A·Bᵀ`` (``checksums``: what
+        :func:`narrow_checked` takes to check it, at ``scores``), scaled and masked, then
+        ``exp(S - lse)`` (``broadcast``: :func:`_rows` or :func:`_cols` of ``lse``).
+
+        Returns ``(p, flags)``.
+        """
+        s = _mma(a_smem, b_smem, q_idx.shape, transpose_b=True)
+        if chk["scores"]:
+            s, flags = narrow_checked(flags, 0, s, a_smem, *checksums)
+        keep = _load_tile(mask_smem) if has_mask else None
+        s = scores_of(s, q_idx, k_idx, keep)
+        return jnp.exp(s - broadcast(lse, q_idx.shape)), flags
+
+    def narrow_checked(flags, slot, c, a_smem, chk_smem, a_max, scal_smem, step):
+        """``c = A·Bᵀ [m, n]`` checked by :func:`_narrow_check` (``chk_smem``: B's checksum
+        tile ``step``), its flags into pair ``slot``: ``(c, flags)``."""
+        m, n = c.shape
+        sums = _mma(a_smem, chk_smem, (m, _KSUM_ROWS), transpose_b=True)
+        c, det, unc = _narrow_check(c, sums, a_max, scal_smem, step, contraction=d, line=n,
+                                    config=config)  # fmt: skip
+        return c, _max_flags(flags, slot, det, unc)
+
+    def vector_checked(flags, slot, c, x, vecs, *, nonnegative):
+        """``c = X·B [m, n]`` checked by :func:`_vector_check`, its flags into pair ``slot``:
+        ``(c, flags)``."""
+        c, det, unc = _vector_check(c, x, vecs, nonnegative=nonnegative, contraction=x.shape[1],
+                                    line=c.shape[1], config=config)  # fmt: skip
+        return c, _max_flags(flags, slot, det, unc)
+
+    def launch(kernel, operands, *, outs, scratch, sites, block, step, length, grid_name, name):
+        """Runs a backward kernel on the grid ``(heads, length // block, batch)``: ``operands``
+        then the fault tables of ``sites`` in; ``outs`` (shapes, in ``dtype``) then float32
+        flags ``[B, H, 8, length]`` out. Its scratch: ``scratch``; the flags', the mask tile's
+        (``[block, step]``) and the tables'; the barriers of the block's setup copies (five and
+        two per table) and of a loop step's (five and the mask's)."""
+        mask_scratch = plgpu.SMEM((block, step), dtype, transforms=tiled) if has_mask else None
+        flags_scratch = plgpu.SMEM((_FLAG_ROWS, block), f32)
+        n_setup = 5 + 2 * len(sites)
+        n_step = 5 + int(has_mask)
+        return plgpu.kernel(
+            kernel,
+            out_type=[
+                *(jax.ShapeDtypeStruct(x.shape, dtype) for x in outs),
+                jax.ShapeDtypeStruct((bsz, heads, _FLAG_ROWS, length), f32),
+            ],
+            scratch_types=[
+                scratch,
+                [flags_scratch, mask_scratch, *table_scratch(sites)],
+                [plgpu.Barrier(num_arrivals=n_setup), plgpu.Barrier(num_arrivals=n_step)],
+            ],
+            grid=(heads, length // block, bsz),
+            grid_names=("heads", grid_name, "batch"),
+            compiler_params=_COMPILER_PARAMS,
+            kernel_name=name,
+        )(*operands, *table_ops(sites))
 
     # --- dQ: a block per 64 queries ---
     dq_sites = tuple(n for n in ("context.grad_lhs", "scores.grad_lhs") if n in present)
@@ -924,114 +1064,66 @@ def backward(q, k, v, out, lse, do, *, causal, sm_scale, config, tables, blocks,
 
     def dq_kernel(q_ref, k_ref, v_ref, do_ref, rowvec_ref, kchk_ref, kscal_ref, vchk_ref,
                   vscal_ref, krow_ref, *refs):  # fmt: skip
-        if has_mask:
-            mask_ref, refs = refs[0], refs[1:]
-        table_refs = refs[: 2 * len(dq_sites)]
-        dq_ref, flags_ref, *scratch = refs[2 * len(dq_sites) :]
-        (q_s, do_s, k_s, v_s, kchk_s, vchk_s, krow_s, kscal_s, vscal_s, rv_s, flags_s,
-         mask_s, *table_s) = scratch[0]  # fmt: skip
-        setup, step_bar = scratch[1]
-        batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-        q_base = lax.axis_index("q_seq") * bq
-        rows = pl.ds(q_base, bq)
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_s, setup)
-        plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_s, setup)
-        plgpu.copy_gmem_to_smem(rowvec_ref.at[batch, head, :, rows], rv_s, setup)
-        plgpu.copy_gmem_to_smem(kscal_ref.at[batch, head], kscal_s, setup)
-        plgpu.copy_gmem_to_smem(vscal_ref.at[batch, head], vscal_s, setup)
-        for i in range(len(dq_sites)):
-            plgpu.copy_gmem_to_smem(table_refs[2 * i], table_s[2 * i], setup)
-            plgpu.copy_gmem_to_smem(table_refs[2 * i + 1], table_s[2 * i + 1], setup)
-        plgpu.barrier_wait(setup)
-        faults = faults_of(dq_sites, table_refs, table_s)
+        mask_ref, table_refs, rest = _kernel_refs(refs, has_mask, len(dq_sites))
+        dq_ref, flags_ref, scratch, (flags_s, mask_s, *table_s), (setup, step_bar) = rest
+        q_s, do_s, k_s, v_s, kchk_s, vchk_s, krow_s, kscal_s, vscal_s, rv_s = scratch
+        batch, head, q_base, rows, faults = open_block(
+            "q_seq", bq, (q_ref, do_ref, rowvec_ref, kscal_ref, vscal_ref),
+            (q_s, do_s, rv_s, kscal_s, vscal_s), (dq_sites, table_refs, table_s), setup,
+        )  # fmt: skip
         lse_r, delta_r, qmax_r, domax_r = (_load_vector(rv_s.at[r], row_layout) for r in range(4))
         steps = jnp.minimum(pl.cdiv(q_base + bq, jnp.array(bk, jnp.int32)), nk) if causal else nk
+        streamed = (
+            (k_ref, v_ref, kchk_ref, vchk_ref, krow_ref),
+            (k_s, v_s, kchk_s, vchk_s, krow_s),
+        )
+        mask = (mask_ref, mask_s, rows) if has_mask else None
 
         def body(step, carry):
             acc, flags = carry
-            keys = pl.ds(step * bk, bk)
-            plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, head], k_s, step_bar)
-            plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, head], v_s, step_bar)
-            tile8 = pl.ds(step * _KSUM_ROWS, _KSUM_ROWS)
-            plgpu.copy_gmem_to_smem(kchk_ref.at[batch, head, tile8], kchk_s, step_bar)
-            plgpu.copy_gmem_to_smem(vchk_ref.at[batch, head, tile8], vchk_s, step_bar)
-            plgpu.copy_gmem_to_smem(krow_ref.at[batch, head, :, keys], krow_s, step_bar)
-            if has_mask:
-                plgpu.copy_gmem_to_smem(mask_tile(mask_ref, rows, keys, False), mask_s, step_bar)
-            plgpu.barrier_wait(step_bar)
+            _copy_in(_step_copies((batch, head), step, bk, *streamed, mask), step_bar)
             shape = (bq, bk)
             q_idx = q_base + _iota(shape, 0)
             k_idx = step * bk + _iota(shape, 1)
-            s = _mma(q_s, k_s, shape, transpose_b=True)
-            if chk["scores"]:
-                sums = _mma(q_s, kchk_s, (bq, _KSUM_ROWS), transpose_b=True)
-                s, det, unc = _narrow_check(s, sums, qmax_r, kscal_s, step, contraction=d,
-                                            line=bk, config=config)  # fmt: skip
-                flags = _max_flags(flags, 0, det, unc)
-            keep = _load_tile(mask_s) if has_mask else None
-            s = scores_of(s, q_idx, k_idx, keep)
-            p = jnp.exp(s - _rows(lse_r, shape))
+            p, flags = probs(flags, q_s, k_s, (kchk_s, qmax_r, kscal_s, step), q_idx, k_idx,
+                             mask_s, lse_r, _rows)  # fmt: skip
             dp = _mma(do_s, v_s, shape, transpose_b=True)
-            dp = inject(faults, "context.grad_lhs", dp, c0=batch, c1=head, rows=q_idx, cols=k_idx)
+            dp = _inject(faults, "context.grad_lhs", dp, c0=batch, c1=head, rows=q_idx, cols=k_idx)
             if chk["context"]:
-                sums = _mma(do_s, vchk_s, (bq, _KSUM_ROWS), transpose_b=True)
-                dp, det, unc = _narrow_check(dp, sums, domax_r, vscal_s, step, contraction=d,
-                                             line=bk, config=config)  # fmt: skip
-                flags = _max_flags(flags, 1, det, unc)
+                dp, flags = narrow_checked(flags, 1, dp, do_s, vchk_s, domax_r, vscal_s, step)
             ds = (p * (dp - _rows(delta_r, shape)) * sm_scale).astype(dtype)
             o_shape = (bq, d)
             dq_t = _mma(ds, k_s, o_shape, transpose_b=False)
-            dq_t = inject(faults, "scores.grad_lhs", dq_t, c0=batch, c1=head,
-                          rows=q_base + _iota(o_shape, 0), cols=_iota(o_shape, 1),
-                          enabled=step == 0)  # fmt: skip
+            dq_t = _inject(faults, "scores.grad_lhs", dq_t, c0=batch, c1=head,
+                           rows=q_base + _iota(o_shape, 0), cols=_iota(o_shape, 1),
+                           enabled=step == 0)  # fmt: skip
             if chk["scores"]:
                 vecs = [_load_vector(krow_s.at[r], col_layout) for r in range(4)]
-                dq_t, det, unc = _vector_check(dq_t, ds.astype(f32), vecs, nonnegative=False,
-                                               contraction=bk, line=d, config=config)  # fmt: skip
-                flags = _max_flags(flags, 0, det, unc)
+                dq_t, flags = vector_checked(flags, 0, dq_t, ds.astype(f32), vecs,
+                                             nonnegative=False)  # fmt: skip
             return acc + dq_t, flags
 
         zero_row = _layout(jnp.full((bq,), 0.0, f32), row_layout)
         init = (_layout(jnp.full((bq, d), 0.0, f32), plgpu.Layout.WGMMA), (zero_row,) * 4)
         acc, flags = lax.fori_loop(0, steps, body, init)
         q_s[...] = acc.astype(dtype)
-        for r, f in enumerate(flags):
-            flags_s.at[r][...] = f
-        for r in range(len(flags), _FLAG_ROWS):
-            flags_s.at[r][...] = flags[0] * 0.0
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_s, dq_ref.at[batch, rows, head])
-        plgpu.copy_smem_to_gmem(flags_s, flags_ref.at[batch, head, :, rows])
-        plgpu.wait_smem_to_gmem(0)
+        out_copies = [
+            (q_s, dq_ref.at[batch, rows, head]),
+            (flags_s, flags_ref.at[batch, head, :, rows]),
+        ]
+        _write_out(flags, flags_s, out_copies)
 
-    def tile(n):
-        return plgpu.SMEM((n, d), dtype, transforms=tiled)
-
-    mask_scratch = plgpu.SMEM((bq, bk), dtype, transforms=tiled) if has_mask else None
-    scratch = [
-        tile(bq), tile(bq), tile(bk), tile(bk), tile(_KSUM_ROWS), tile(_KSUM_ROWS),
-        plgpu.SMEM((4, bk), f32), plgpu.SMEM((_kscal_len(nk),), f32),
-        plgpu.SMEM((_kscal_len(nk),), f32), plgpu.SMEM((4, bq), f32),
-        plgpu.SMEM((_FLAG_ROWS, bq), f32), mask_scratch, *table_scratch(dq_sites),
-    ]  # fmt: skip
-    n_setup = 5 + 2 * len(dq_sites)
-    n_step = 5 + int(has_mask)
     mask_ops = [(mask != 0).astype(dtype)] if has_mask else []
-    dq, flags_q = plgpu.kernel(
-        dq_kernel,
-        out_type=[
-            jax.ShapeDtypeStruct(q.shape, dtype),
-            jax.ShapeDtypeStruct((bsz, heads, _FLAG_ROWS, tq), f32),
+    dq, flags_q = launch(
+        dq_kernel, [q, k, v, do, rowvec, kchk, kscal, vchk, vscal, krow, *mask_ops], outs=[q],
+        scratch=[
+            tile(bq), tile(bq), tile(bk), tile(bk), tile(_KSUM_ROWS), tile(_KSUM_ROWS),
+            plgpu.SMEM((4, bk), f32), plgpu.SMEM((_kscal_len(nk),), f32),
+            plgpu.SMEM((_kscal_len(nk),), f32), plgpu.SMEM((4, bq), f32),
         ],
-        scratch_types=[
-            scratch,
-            [plgpu.Barrier(num_arrivals=n_setup), plgpu.Barrier(num_arrivals=n_step)],
-        ],
-        grid=(heads, nq, bsz),
-        grid_names=("heads", "q_seq", "batch"),
-        compiler_params=_COMPILER_PARAMS,
-        kernel_name="checked_flash_attention_dq_mgpu",
-    )(q, k, v, do, rowvec, kchk, kscal, vchk, vscal, krow, *mask_ops, *table_ops(dq_sites))
+        sites=dq_sites, block=bq, step=bk, length=tq, grid_name="q_seq",
+        name="checked_flash_attention_dq_mgpu",
+    )  # fmt: skip
 
     # --- dK, dV: a block per 64 keys ---
     kv_sites = tuple(
@@ -1046,82 +1138,59 @@ def backward(q, k, v, out, lse, do, *, causal, sm_scale, config, tables, blocks,
 
     def dkv_kernel(q_ref, k_ref, v_ref, do_ref, colvec_ref, keyvec_ref, qchk_ref, qscal_ref,
                    dochk_ref, doscal_ref, *refs):  # fmt: skip
-        if has_mask:
-            mask_ref, refs = refs[0], refs[1:]
-        table_refs = refs[: 2 * len(kv_sites)]
-        dk_ref, dv_ref, flags_ref, *scratch = refs[2 * len(kv_sites) :]
-        (k_s, v_s, q_s, do_s, qchk_s, dochk_s, cv_s, kv_s, qscal_s, doscal_s, flags_s,
-         mask_s, *table_s) = scratch[0]  # fmt: skip
-        setup, step_bar = scratch[1]
-        batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-        k_base = lax.axis_index("kv_seq") * bk
-        keys = pl.ds(k_base, bk)
-        plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, head], k_s, setup)
-        plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, head], v_s, setup)
-        plgpu.copy_gmem_to_smem(keyvec_ref.at[batch, head, :, keys], kv_s, setup)
-        plgpu.copy_gmem_to_smem(qscal_ref.at[batch, head], qscal_s, setup)
-        plgpu.copy_gmem_to_smem(doscal_ref.at[batch, head], doscal_s, setup)
-        for i in range(len(kv_sites)):
-            plgpu.copy_gmem_to_smem(table_refs[2 * i], table_s[2 * i], setup)
-            plgpu.copy_gmem_to_smem(table_refs[2 * i + 1], table_s[2 * i + 1], setup)
-        plgpu.barrier_wait(setup)
-        faults = faults_of(kv_sites, table_refs, table_s)
+        mask_ref, table_refs, rest = _kernel_refs(refs, has_mask, len(kv_sites))
+        dk_ref, dv_ref, flags_ref, scratch, (flags_s, mask_s, *table_s), (setup, step_bar) = rest
+        k_s, v_s, q_s, do_s, qchk_s, dochk_s, cv_s, kv_s, qscal_s, doscal_s = scratch
+        batch, head, k_base, keys, faults = open_block(
+            "kv_seq", bk, (k_ref, v_ref, keyvec_ref, qscal_ref, doscal_ref),
+            (k_s, v_s, kv_s, qscal_s, doscal_s), (kv_sites, table_refs, table_s), setup,
+        )  # fmt: skip
         kmax_r, vmax_r = (_load_vector(kv_s.at[r], row_layout) for r in range(2))
         first = lax.div(k_base, jnp.array(bq, jnp.int32)) if causal else 0
+        streamed = (
+            (q_ref, do_ref, qchk_ref, dochk_ref, colvec_ref),
+            (q_s, do_s, qchk_s, dochk_s, cv_s),
+        )
+        mask = (mask_ref, mask_s, keys) if has_mask else None
 
         def body(step, carry):
             dk, dv, flags = carry
-            rows = pl.ds(step * bq, bq)
-            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_s, step_bar)
-            plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_s, step_bar)
-            tile8 = pl.ds(step * _KSUM_ROWS, _KSUM_ROWS)
-            plgpu.copy_gmem_to_smem(qchk_ref.at[batch, head, tile8], qchk_s, step_bar)
-            plgpu.copy_gmem_to_smem(dochk_ref.at[batch, head, tile8], dochk_s, step_bar)
-            plgpu.copy_gmem_to_smem(colvec_ref.at[batch, head, :, rows], cv_s, step_bar)
-            if has_mask:
-                plgpu.copy_gmem_to_smem(mask_tile(mask_ref, keys, rows, True), mask_s, step_bar)
-            plgpu.barrier_wait(step_bar)
+            _copy_in(_step_copies((batch, head), step, bq, *streamed, mask), step_bar)
             shape = (bk, bq)
             k_idx = k_base + _iota(shape, 0)
             q_idx = step * bq + _iota(shape, 1)
             vec = [_load_vector(cv_s.at[r], col_layout) for r in range(10)]
             q_vecs, do_vecs, lse_c, delta_c = vec[0:4], vec[4:8], vec[8], vec[9]
-            s_t = _mma(k_s, q_s, shape, transpose_b=True)
-            if chk["scores"]:
-                sums = _mma(k_s, qchk_s, (bk, _KSUM_ROWS), transpose_b=True)
-                s_t, det, unc = _narrow_check(s_t, sums, kmax_r, qscal_s, step, contraction=d,
-                                              line=bq, config=config)  # fmt: skip
-                flags = _max_flags(flags, 0, det, unc)
-            keep = _load_tile(mask_s) if has_mask else None
-            s_t = scores_of(s_t, q_idx, k_idx, keep)
-            p_t = jnp.exp(s_t - _cols(lse_c, shape))
+            p_t, flags = probs(flags, k_s, q_s, (qchk_s, kmax_r, qscal_s, step), q_idx, k_idx,
+                               mask_s, lse_c, _cols)  # fmt: skip
             p16 = p_t.astype(dtype)
             o_shape = (bk, d)
             o_rows, o_cols = k_base + _iota(o_shape, 0), _iota(o_shape, 1)
-            dv_t = _mma(p16, do_s, o_shape, transpose_b=False)
-            dv_t = inject(faults, "context.grad_rhs", dv_t, c0=batch, c1=head, rows=o_rows,
-                          cols=o_cols, enabled=step == first)  # fmt: skip
-            if chk["context"]:
-                dv_t, det, unc = _vector_check(dv_t, p16.astype(f32), do_vecs, nonnegative=True,
-                                               contraction=bq, line=d, config=config)  # fmt: skip
-                flags = _max_flags(flags, 2, det, unc)
+
+            def key_grad(flags, x16, b_smem, name, slot, vecs, *, nonnegative):
+                """``X·B [bk, d]`` of this step's 16-bit ``x16 [bk, bq]`` at site
+                ``{name}.grad_rhs``: its faults injected into the first step's, checked by B's
+                row sums ``vecs`` when ``name`` is, the flags into pair ``slot``:
+                ``(tile, flags)``."""
+                t = _mma(x16, b_smem, o_shape, transpose_b=False)
+                t = _inject(faults, f"{name}.grad_rhs", t, c0=batch, c1=head, rows=o_rows,
+                            cols=o_cols, enabled=step == first)  # fmt: skip
+                if chk[name]:
+                    t, flags = vector_checked(flags, slot, t, x16.astype(f32), vecs,
+                                              nonnegative=nonnegative)  # fmt: skip
+                return t, flags
+
+            dv_t, flags = key_grad(flags, p16, do_s, "context", 2, do_vecs,
+                                   nonnegative=True)  # fmt: skip
             dp_t = _mma(v_s, do_s, shape, transpose_b=True)
             # The XLA path's dP is [B, H, Tq, Tk]: its row is the query, its column the key.
-            dp_t = inject(faults, "context.grad_lhs", dp_t, c0=batch, c1=head, rows=q_idx,
-                          cols=k_idx)  # fmt: skip
+            dp_t = _inject(faults, "context.grad_lhs", dp_t, c0=batch, c1=head, rows=q_idx,
+                           cols=k_idx)  # fmt: skip
             if chk["context"]:
-                sums = _mma(v_s, dochk_s, (bk, _KSUM_ROWS), transpose_b=True)
-                dp_t, det, unc = _narrow_check(dp_t, sums, vmax_r, doscal_s, step, contraction=d,
-                                               line=bq, config=config)  # fmt: skip
-                flags = _max_flags(flags, 1, det, unc)
+                dp_t, flags = narrow_checked(flags, 1, dp_t, v_s, dochk_s, vmax_r, doscal_s, step)
             ds_t = (p_t * (dp_t - _cols(delta_c, shape)) * sm_scale).astype(dtype)
-            dk_t = _mma(ds_t, q_s, o_shape, transpose_b=False)
-            dk_t = inject(faults, "scores.grad_rhs", dk_t, c0=batch, c1=head, rows=o_rows,
-                          cols=o_cols, enabled=step == first)  # fmt: skip
-            if chk["scores"]:
-                dk_t, det, unc = _vector_check(dk_t, ds_t.astype(f32), q_vecs, nonnegative=False,
-                                               contraction=bq, line=d, config=config)  # fmt: skip
-                flags = _max_flags(flags, 0, det, unc)
+            dk_t, flags = key_grad(flags, ds_t, q_s, "scores", 0, q_vecs,
+                                   nonnegative=False)  # fmt: skip
             return dk + dk_t, dv + dv_t, flags
 
         zero_acc = _layout(jnp.full((bk, d), 0.0, f32), plgpu.Layout.WGMMA)
@@ -1129,40 +1198,23 @@ def backward(q, k, v, out, lse, do, *, causal, sm_scale, config, tables, blocks,
         dk, dv, flags = lax.fori_loop(first, nq, body, (zero_acc, zero_acc, (zero_row,) * 6))
         k_s[...] = dk.astype(dtype)
         v_s[...] = dv.astype(dtype)
-        for r, f in enumerate(flags):
-            flags_s.at[r][...] = f
-        for r in range(len(flags), _FLAG_ROWS):
-            flags_s.at[r][...] = flags[0] * 0.0
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_s, dk_ref.at[batch, keys, head])
-        plgpu.copy_smem_to_gmem(v_s, dv_ref.at[batch, keys, head])
-        plgpu.copy_smem_to_gmem(flags_s, flags_ref.at[batch, head, :, keys])
-        plgpu.wait_smem_to_gmem(0)
+        out_copies = [
+            (k_s, dk_ref.at[batch, keys, head]),
+            (v_s, dv_ref.at[batch, keys, head]),
+            (flags_s, flags_ref.at[batch, head, :, keys]),
+        ]
+        _write_out(flags, flags_s, out_copies)
 
-    mask_scratch = plgpu.SMEM((bk, bq), dtype, transforms=tiled) if has_mask else None
-    scratch = [
-        tile(bk), tile(bk), tile(bq), tile(bq), tile(_KSUM_ROWS), tile(_KSUM_ROWS),
-        plgpu.SMEM((10, bq), f32), plgpu.SMEM((2, bk), f32), plgpu.SMEM((_kscal_len(nq),), f32),
-        plgpu.SMEM((_kscal_len(nq),), f32), plgpu.SMEM((_FLAG_ROWS, bk), f32), mask_scratch,
-        *table_scratch(kv_sites),
-    ]  # fmt: skip
-    n_setup = 5 + 2 * len(kv_sites)
-    dk, dv, flags_kv = plgpu.kernel(
-        dkv_kernel,
-        out_type=[
-            jax.ShapeDtypeStruct(k.shape, dtype),
-            jax.ShapeDtypeStruct(v.shape, dtype),
-            jax.ShapeDtypeStruct((bsz, heads, _FLAG_ROWS, tk), f32),
+    dk, dv, flags_kv = launch(
+        dkv_kernel, [q, k, v, do, colvec, keyvec, qchk, qscal, dochk, doscal, *mask_ops],
+        outs=[k, v], scratch=[
+            tile(bk), tile(bk), tile(bq), tile(bq), tile(_KSUM_ROWS), tile(_KSUM_ROWS),
+            plgpu.SMEM((10, bq), f32), plgpu.SMEM((2, bk), f32),
+            plgpu.SMEM((_kscal_len(nq),), f32), plgpu.SMEM((_kscal_len(nq),), f32),
         ],
-        scratch_types=[
-            scratch,
-            [plgpu.Barrier(num_arrivals=n_setup), plgpu.Barrier(num_arrivals=n_step)],
-        ],
-        grid=(heads, nk, bsz),
-        grid_names=("heads", "kv_seq", "batch"),
-        compiler_params=_COMPILER_PARAMS,
-        kernel_name="checked_flash_attention_dkdv_mgpu",
-    )(q, k, v, do, colvec, keyvec, qchk, qscal, dochk, doscal, *mask_ops, *table_ops(kv_sites))
+        sites=kv_sites, block=bk, step=bq, length=tk, grid_name="kv_seq",
+        name="checked_flash_attention_dkdv_mgpu",
+    )  # fmt: skip
 
     fq = jnp.moveaxis(flags_q, 2, 3).astype(jnp.int32)  # [B, H, Tq, 8]
     fkv = jnp.moveaxis(flags_kv, 2, 3).astype(jnp.int32)  # [B, H, Tk, 8]

@@ -168,6 +168,19 @@ def _block(index, size: int, length: int):
     return idx, idx < length
 
 
+def _load_block(refs, index, size: int, length: int, dvalid):
+    """This program's block ``index`` of ``size`` rows of each of ``refs`` (``[size, dp]``
+    blocks), zero outside the rows and the head dim.
+
+    Returns:
+      ``(idx, valid, mask, tiles)``: the rows' global indices, which are below ``length``, the
+      ``[size, dp]`` elements in range and the loaded tiles.
+    """
+    idx, valid = _block(index, size, length)
+    mask = valid[:, None] & dvalid[None, :]
+    return idx, valid, mask, [plgpu.load(ref, mask=mask, other=0) for ref in refs]
+
+
 def _load_kv(k_ref, v_ref, kk, bk: int, tk: int, dvalid):
     """Key block ``kk``: ``(ks, kvalid, k, v)``, zero outside the keys and the head dim."""
     ks, kvalid = _block(kk, bk, tk)
@@ -255,8 +268,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: Settings, tq, tk, d, tables):
     mask_ref, faults, (o_ref, lse_ref, flags_ref) = _split_refs(st, refs, tables)
     b, h, iq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     dp, ds, dv = _head_dim(q_ref, d)
-    qs, qv = _block(iq, bq, tq)
-    q = plgpu.load(q_ref, mask=qv[:, None] & dv[None, :], other=0)
+    qs, qv, q_mask, (q,) = _load_block([q_ref], iq, bq, tq, dv)
     cfg = st.config
     chk_s, chk_p, chk_c = (cfg.checks(s) for s in FORWARD_SITES)
     u32 = unit_roundoff(jnp.float32)
@@ -322,7 +334,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: Settings, tq, tk, d, tables):
     )
     acc, m_i, l_i, flags = lax.fori_loop(0, upper, body, init)
     l_safe = jnp.where(qv, l_i, 1.0)
-    plgpu.store(o_ref, (acc / l_safe[:, None]).astype(o_ref.dtype), mask=qv[:, None] & dv[None, :])
+    plgpu.store(o_ref, (acc / l_safe[:, None]).astype(o_ref.dtype), mask=q_mask)
     plgpu.store(lse_ref, jnp.where(qv, m_i + jnp.log(l_safe), 0.0), mask=qv)
     flags_ref[...] = flags
 
@@ -452,9 +464,7 @@ def _dkdv_kernel(
     mask_ref, faults, (dk_ref, dv_ref, flags_ref) = _split_refs(st, refs, tables)
     b, h, jk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     dp, ds, dvalid = _head_dim(k_ref, d)
-    ks, kvalid = _block(jk, bk, tk)
-    kb = plgpu.load(k_ref, mask=kvalid[:, None] & dvalid[None, :], other=0)
-    vb = plgpu.load(v_ref, mask=kvalid[:, None] & dvalid[None, :], other=0)
+    ks, kvalid, out_mask, (kb, vb) = _load_block([k_ref, v_ref], jk, bk, tk, dvalid)
     cfg = st.config
     chk_s = cfg.checks("scores", backward=True)
     chk_c = cfg.checks("context", backward=True)
@@ -492,7 +502,6 @@ def _dkdv_kernel(
         jnp.zeros((8,), jnp.int32),
     )
     dk, dv, flags = lax.fori_loop(lower, cdiv(tq, bq), body, init)
-    out_mask = kvalid[:, None] & dvalid[None, :]
     plgpu.store(dk_ref, dk.astype(dk_ref.dtype), mask=out_mask)
     plgpu.store(dv_ref, dv.astype(dv_ref.dtype), mask=out_mask)
     flags_ref[...] = flags
@@ -505,10 +514,7 @@ def _dq_kernel(
     mask_ref, faults, (dq_ref, flags_ref) = _split_refs(st, refs, tables)
     b, h, iq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     dp, ds, dvalid = _head_dim(q_ref, d)
-    qs, qv = _block(iq, bq, tq)
-    row_mask = qv[:, None] & dvalid[None, :]
-    q = plgpu.load(q_ref, mask=row_mask, other=0)
-    do = plgpu.load(do_ref, mask=row_mask, other=0)
+    qs, qv, row_mask, (q, do) = _load_block([q_ref, do_ref], iq, bq, tq, dvalid)
     lse = plgpu.load(lse_ref, mask=qv, other=0)
     delta = plgpu.load(delta_ref, mask=qv, other=0)
     cfg = st.config

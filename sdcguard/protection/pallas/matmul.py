@@ -43,6 +43,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -197,17 +198,20 @@ def checked_matmul(
     if faults is None:
         faults = matrix_faults(plan, site, (a.shape[0], a.shape[1], b.shape[2]))
     if uses_kernel(a.dtype, b.dtype):
+        settings = matmul_mgpu.KernelSettings(
+            out_dtype=out_dtype,
+            block_sizes=block_sizes,
+            check=check,
+            correct=correct,
+            near_inf=near_inf,
+        )
         c, counts = _kernel_path(
             a,
             b,
-            check=check,
-            correct=correct,
+            settings,
             safety=safety,
-            near_inf=near_inf,
-            out_dtype=out_dtype,
             faults=faults,
             max_recomputed=max_recomputed,
-            block_sizes=block_sizes,
             interpret=resolve_interpret(interpret),
             emulate=emulate,
         )
@@ -297,40 +301,29 @@ def pass_over_a(
     return a_p, params
 
 
-def run_kernel(a_p, b_p, bc, params, *, check: bool, interpret: bool | None = None, **kw):
+def run_kernel(
+    a_p, b_p, bc, params, *, settings: matmul_mgpu.KernelSettings, interpret: bool | None = None
+):
     """The kernel alone on the outputs of :func:`pass_over_a` and :func:`pass_over_b`.
 
     Args:
-      kw: ``out_dtype``, ``block_sizes``, ``correct``, ``near_inf``, ``num_faults``
-        (:func:`matmul_mgpu.call_kernel`); interpret: as for :func:`checked_matmul`.
+      settings: the launch's static settings; interpret: as for :func:`checked_matmul`.
 
     Returns:
-      ``(c, status)`` (padded; ``status`` None without ``check``).
+      ``(c, status)`` (padded; ``status`` None without ``settings.check``).
     """
     interpret = resolve_interpret(interpret)
-    sms = _grid(a_p.shape, b_p.shape, kw["block_sizes"], interpret)
+    sms = _grid(a_p.shape, b_p.shape, settings.block_sizes, interpret)
     with _interpreting(interpret):
         return matmul_mgpu.call_kernel(
-            a_p, b_p, bc, params, check=check, num_sms=sms, interpret=interpret, **kw
+            a_p, b_p, bc, params, settings=settings, num_sms=sms, interpret=interpret
         )
 
 
-def _kernel_path(
-    a,
-    b,
-    *,
-    check,
-    correct,
-    safety,
-    near_inf,
-    out_dtype,
-    faults,
-    max_recomputed,
-    block_sizes,
-    interpret,
-    emulate,
-):
-    bs = block_sizes
+def _kernel_path(a, b, settings, *, safety, faults, max_recomputed, interpret, emulate):
+    """bf16/fp16 operands: the passes before the kernel, the kernel (or its reference), the
+    pass after it."""
+    bs, check, out_dtype = settings.block_sizes, settings.check, settings.out_dtype
     b_p, bc, scales, magnitudes = pass_over_b(
         b, a_shape=a.shape, check=check, block_sizes=bs, transposed=not (interpret or emulate)
     )
@@ -347,20 +340,14 @@ def _kernel_path(
         block_sizes=bs,
         injected=injected,
     )
-    # What the kernel and its reference both take.
-    kw = dict(
-        out_dtype=out_dtype,
-        block_sizes=bs,
-        correct=correct,
-        near_inf=float(near_inf),
-        num_faults=0 if injected is None else int(injected[0].shape[0]),
-    )
+    if injected is not None:
+        settings = dataclasses.replace(settings, num_faults=injected[0].shape[0])
     if emulate and check:
-        c, status = matmul_mgpu.reference_kernel(a_p, b_p, bc, params, **kw)
+        c, status = matmul_mgpu.reference_kernel(a_p, b_p, bc, params, settings=settings)
     elif emulate:
         c, status = jnp.einsum("bmk,bkn->bmn", a_p, b_p, preferred_element_type=out_dtype), None
     else:
-        c, status = run_kernel(a_p, b_p, bc, params, check=check, interpret=interpret, **kw)
+        c, status = run_kernel(a_p, b_p, bc, params, settings=settings, interpret=interpret)
     return verify.pass_after(
         a, b, c, status, check=check, max_recomputed=max_recomputed, block_sizes=bs
     )

@@ -117,6 +117,42 @@ class BlockSizes:
         return 2 * self.tile_m
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelSettings:
+    """The static settings of one launch: each distinct value is one compiled kernel.
+
+    Unchecked, the kernel has no epilogue, so the epilogue's settings are reset to their
+    defaults: every unchecked launch of one shape shares one kernel.
+
+    Attributes:
+      out_dtype: dtype of ``C``.
+      block_sizes: the tiles.
+      check: run the checksum epilogue (else a plain GEMM).
+      correct: rebuild what the epilogue locates (else only report it).
+      near_inf: magnitude located directly in a flagged row.
+      num_faults: faults the host resolved per tile, written into the accumulator before
+        the check (``FIRST_FAULT_ROW`` onwards of the parameter block).
+
+    Example:
+      >>> KernelSettings(out_dtype=jnp.bfloat16, block_sizes=BlockSizes(), near_inf=1e30)
+    """
+
+    out_dtype: jnp.dtype
+    block_sizes: BlockSizes = BlockSizes()
+    check: bool = True
+    correct: bool = True
+    near_inf: float = 0.0
+    num_faults: int = 0
+
+    def __post_init__(self):
+        set_ = functools.partial(object.__setattr__, self)
+        set_("out_dtype", jnp.dtype(self.out_dtype))
+        set_("check", bool(self.check))
+        set_("correct", bool(self.correct) and self.check)
+        set_("near_inf", float(self.near_inf) if self.check else 0.0)
+        set_("num_faults", int(self.num_faults) if self.check else 0)
+
+
 # --- Host side: what the kernel reads besides A and B ----------------------------------------
 
 
@@ -258,14 +294,11 @@ def _kernel(
     out_gmem,
     status_gmem,
     *,
-    bs: BlockSizes,
-    check: bool,
-    correct: bool,
-    near_inf: float,
-    num_faults: int,
+    settings: KernelSettings,
     interpret: bool,
 ):
     """One persistent CTA: loops over output tiles; see the module docstring."""
+    bs, check = settings.block_sizes, settings.check
     batch, m, k = a_gmem.shape
     n = b_gmem.shape[2]
     dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
@@ -389,11 +422,7 @@ def _kernel(
                             acc,
                             chk_ref[...],
                             lambda r: layout(par_smem[wg, r], row_layout),
-                            tm=tm,
-                            tn=tn,
-                            correct=correct,
-                            near_inf=near_inf,
-                            num_faults=num_faults,
+                            settings=settings,
                             iota=iota,
                         )
                     out = acc.astype(out_dtype)
@@ -439,7 +468,7 @@ def _kernel(
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _check_tile(acc, chk, param, *, tm, tn, correct, near_inf, num_faults, iota):
+def _check_tile(acc, chk, param, *, settings: KernelSettings, iota):
     """The epilogue's check of one ``[tm, tn]`` float32 tile (see the module docstring).
 
     Row vectors are float32 (Mosaic GPU has no boolean vectors in a reduced layout), so every
@@ -450,9 +479,11 @@ def _check_tile(acc, chk, param, *, tm, tn, correct, near_inf, num_faults, iota)
       rebuilt; float32 ``[tm]`` row status (:data:`CLEAN` ...) and located column (or -1).
     """
     f32 = jnp.float32
+    tm, tn = acc.shape
+    correct, near_inf = settings.correct, settings.near_inf
     wide = lambda v: lax.broadcast_in_dim(v, (tm, tn), [0])
     col = iota((tm, tn), 1).astype(f32)  # 0-based column within the tile
-    for f in range(num_faults):  # as a faulty MMA would have left the accumulator
+    for f in range(settings.num_faults):  # as a faulty MMA would have left the accumulator
         at = col == wide(param(FIRST_FAULT_ROW + 2 * f))
         acc = jnp.where(at, wide(param(FIRST_FAULT_ROW + 2 * f + 1)), acc)
     scale_e, scale_w = param(SCALE_E), param(SCALE_W)
@@ -529,36 +560,34 @@ def call_kernel(
     bc: jax.Array | None,
     params: jax.Array | None,
     *,
-    out_dtype,
-    block_sizes: BlockSizes,
-    check: bool,
-    correct: bool,
-    near_inf: float,
-    num_faults: int,
+    settings: KernelSettings,
     num_sms: int,
     interpret: bool,
 ):
     """Launches the kernel on padded operands (``M % 2·tile_m == N % tile_n == K % 64 == 0``).
 
-    Every call with the same shapes, dtypes and static arguments reuses one traced kernel
+    Every call with the same shapes, dtypes and settings reuses one traced kernel
     (:func:`_launch`), so identical GEMMs of a step lower to byte-identical Mosaic GPU modules
     (one kernel hash: XLA compiles the kernel once, not once per call site).
 
+    Args:
+      a: ``[batch, M, K]``; b: ``[batch, K, N]``; bc, params: from :func:`checksum_columns`
+        and :func:`tile_parameters` (ignored unchecked).
+      settings: the launch's static settings.
+      num_sms: the persistent grid's size.
+      interpret: Bc in the interpret layout, no layout hints.
+
     Returns:
-      ``c [batch, M, N]`` and, with ``check``, ``status`` float32 ``[batch, N/tile_n, 2, M]``.
+      ``c [batch, M, N]`` and, with ``settings.check``, ``status`` float32
+      ``[batch, N/tile_n, 2, M]`` (else None).
     """
+    check = settings.check
     c, status = _launch(
         a,
         b,
         bc if check else None,
         params if check else None,
-        out_dtype=jnp.dtype(out_dtype),
-        block_sizes=block_sizes,
-        check=bool(check),
-        # Unchecked, the kernel has no epilogue: one key whatever the check's settings.
-        correct=bool(correct) and check,
-        near_inf=float(near_inf) if check else 0.0,
-        num_faults=int(num_faults) if check else 0,
+        settings=settings,
         num_sms=int(num_sms),
         interpret=bool(interpret),
     )
@@ -568,63 +597,28 @@ def call_kernel(
 # One jit per static configuration: traced at each call site instead, the kernel's Mosaic GPU
 # module would carry that site's Python traceback in its locations, and so a kernel hash (and
 # a compilation) of its own. Cached, the first trace's jaxpr (and its lowering) serves them all.
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "out_dtype",
-        "block_sizes",
-        "check",
-        "correct",
-        "near_inf",
-        "num_faults",
-        "num_sms",
-        "interpret",
-    ),
-)
-def _launch(
-    a,
-    b,
-    bc,
-    params,
-    *,
-    out_dtype,
-    block_sizes,
-    check,
-    correct,
-    near_inf,
-    num_faults,
-    num_sms,
-    interpret,
-):
+@functools.partial(jax.jit, static_argnames=("settings", "num_sms", "interpret"))
+def _launch(a, b, bc, params, *, settings: KernelSettings, num_sms: int, interpret: bool):
     batch, m, _ = a.shape
     n = b.shape[2]
-    bs = block_sizes
-    out_type = [jax.ShapeDtypeStruct((batch, m, n), out_dtype)]
-    if check:
+    bs = settings.block_sizes
+    out_type = [jax.ShapeDtypeStruct((batch, m, n), settings.out_dtype)]
+    if settings.check:
         out_type.append(jax.ShapeDtypeStruct((batch, n // bs.tile_n, 2, m), jnp.float32))
     else:
         # Unused placeholders keep one kernel signature.
         bc = jnp.zeros((1, 1, 1), a.dtype)
         params = jnp.zeros((1, 1, 1, 1), jnp.float32)
         out_type.append(jax.ShapeDtypeStruct((1, 1, 2, 1), jnp.float32))
-    kernel = functools.partial(
-        _kernel,
-        bs=bs,
-        check=check,
-        correct=correct,
-        near_inf=near_inf,
-        num_faults=num_faults,
-        interpret=interpret,
-    )
     call = plgpu.kernel(
-        kernel,
+        functools.partial(_kernel, settings=settings, interpret=interpret),
         out_type=tuple(out_type),
         grid=(num_sms,),
         grid_names=("cluster_grid",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        kernel_name="checked_matmul" if check else "matmul",
+        kernel_name="checked_matmul" if settings.check else "matmul",
     )
     return call(a, b, bc, params)
 
@@ -635,11 +629,7 @@ def reference_kernel(
     bc: jax.Array,
     params: jax.Array,
     *,
-    out_dtype,
-    block_sizes: BlockSizes,
-    correct: bool,
-    near_inf: float,
-    num_faults: int,
+    settings: KernelSettings,
 ):
     """Pure-jnp reference of the checked kernel: the same epilogue (:func:`_check_tile`) on
     every tile, with the products computed by XLA (float32 accumulation).
@@ -649,7 +639,7 @@ def reference_kernel(
     """
     batch, m, _ = a.shape
     n = b.shape[2]
-    tm, tn = block_sizes.tile_m, block_sizes.tile_n
+    tm, tn = settings.block_sizes.tile_m, settings.block_sizes.tile_n
     tiles_m, tiles_n = m // tm, n // tn
     hi = lax.Precision.HIGHEST
     acc = jnp.einsum("bmk,bkn->bmn", a, b, preferred_element_type=jnp.float32, precision=hi)
@@ -661,20 +651,11 @@ def reference_kernel(
     par_t = params.reshape(batch, tiles_n, rows, tiles_m, tm).transpose(0, 3, 1, 2, 4)
 
     def one(acc, chk, par):
-        return _check_tile(
-            acc,
-            chk,
-            lambda r: par[r],
-            tm=tm,
-            tn=tn,
-            correct=correct,
-            near_inf=near_inf,
-            num_faults=num_faults,
-            iota=lambda shape, axis: lax.broadcasted_iota(jnp.int32, shape, axis),
-        )
+        iota = lambda shape, axis: lax.broadcasted_iota(jnp.int32, shape, axis)
+        return _check_tile(acc, chk, lambda r: par[r], settings=settings, iota=iota)
 
     fixed, state, column = jax.vmap(jax.vmap(jax.vmap(one)))(acc_t, chk_t, par_t)
-    c = fixed.transpose(0, 1, 3, 2, 4).reshape(batch, m, n).astype(out_dtype)
+    c = fixed.transpose(0, 1, 3, 2, 4).reshape(batch, m, n).astype(settings.out_dtype)
     # [batch, tiles_m, tiles_n, tm] -> [batch, tiles_n, 2, M]
     status = jnp.stack([state, column], axis=3)  # [batch, tiles_m, tiles_n, 2, tm]
     status = status.transpose(0, 2, 3, 1, 4).reshape(batch, tiles_n, 2, m)

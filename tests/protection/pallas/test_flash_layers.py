@@ -328,7 +328,7 @@ def test_fallback_is_checked_like_the_xla_path():
     def core(implementation, plan):
         recorder = SiteRecorder(("attn",), ABFTConfig(implementation=implementation))
         with faults(plan):
-            out = protected_attention(q, k, v, bias, recorder=recorder, deterministic=True)
+            out = protected_attention(q, k, v, bias, recorder=recorder)
         return out, recorder.stacked()
 
     with pytest.warns(PallasFallbackWarning, match="additive attention bias"):
@@ -394,7 +394,7 @@ def test_attention_core_runs_the_mosaic_gpu_kernel_in_gpu_interpret_mode():
         config = dataclasses.replace(CORE, implementation=implementation)
         recorder = SiteRecorder(("attn",), config, sinks)
         with faults(plan):
-            out = protected_attention(q, k, v, None, mask, recorder=recorder, deterministic=True)
+            out = protected_attention(q, k, v, None, mask, recorder=recorder)
         return jnp.sum(out.astype(jnp.float32) * cot), (out, recorder.stacked())
 
     results = {}

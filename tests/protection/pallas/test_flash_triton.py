@@ -118,7 +118,7 @@ def test_injected_faults_match_xla_counters_forward_and_backward():
     def xla_loss(q, k, v, sinks, plan):
         rec = SiteRecorder(PATH, cfg, sinks)
         with inject.faults(plan):
-            out = protected_attention(q, k, v, None, causal_mask, recorder=rec, deterministic=True)
+            out = protected_attention(q, k, v, None, causal_mask, recorder=rec)
         counts = jnp.stack([rec.counts[s] for s in fa.FORWARD_SITES])
         return jnp.sum(out * cot), (out, counts)
 
@@ -156,7 +156,7 @@ def test_a_nonfinite_input_is_counted_as_such_like_the_xla_path(correct):
     )
     rec = SiteRecorder(PATH, cfg, abft.Counts.zeros(len(GEMM_SITES), 2, dtype=jnp.float32))
     mask = jnp.tril(jnp.ones((1, 1, t, t), bool))
-    protected_attention(q_raw, k, v, None, mask, recorder=rec, deterministic=True)
+    protected_attention(q_raw, k, v, None, mask, recorder=rec)
     counts_x = jnp.stack([rec.counts[s] for s in fa.FORWARD_SITES])
     assert counts.tolist() == counts_x.tolist()
     scores, context = counts.tolist()[0], counts.tolist()[2]
@@ -177,7 +177,7 @@ def test_detect_only_counts_uncorrectable():
     assert counts.tolist() == [[1, 0, 1, 0], [1, 0, 1, 0], [1, 0, 0, 1]]
     rec = SiteRecorder(("attn",), cfg, abft.Counts.zeros(len(GEMM_SITES), 2, dtype=jnp.float32))
     with inject.faults(plan):
-        protected_attention(q, k, v, None, None, recorder=rec, deterministic=True)
+        protected_attention(q, k, v, None, None, recorder=rec)
     assert jnp.stack([rec.counts[s] for s in fa.FORWARD_SITES]).tolist() == counts.tolist()
     assert not np.isfinite(np.asarray(out)).all()
 
