@@ -366,15 +366,10 @@ def test_protected_layer_lowers_for_cuda(layer):
         assert "xla.gpu.triton" not in text
 
 
-def test_attention_core_runs_the_mosaic_gpu_kernel_in_gpu_interpret_mode():
-    """Under GPU interpret mode, the layers' protected core (``protected_attention``, what the
-    drop-ins call) on bf16 operands the Mosaic GPU kernel can take (Flax's causal mask, head_dim
-    64, 128 tokens) runs it, forward and backward: values, gradients and counters as the XLA
-    path's, with a fault at ``scores`` and at ``context`` corrected.
-
-    The core alone: the layers' projection GEMMs with implementation='pallas' are Triton-backend
-    kernels, which the GPU interpreter cannot run. Eager: see ``gpu_interpret_mode``.
-    """
+def _mosaic_core_case():
+    """The layers' protected core on bf16 operands the Mosaic GPU kernel can take (Flax's causal
+    mask, head_dim 64, 128 tokens), a fault at ``scores`` and at ``context``: ``(loss, args)``
+    with ``loss(implementation, *args)``."""
     from sdcguard.fault_model import GEMM_SITES
 
     b, t, h, d, dtype = 1, 128, 2, 64, jnp.bfloat16
@@ -397,20 +392,42 @@ def test_attention_core_runs_the_mosaic_gpu_kernel_in_gpu_interpret_mode():
             out = protected_attention(q, k, v, None, mask, recorder=recorder)
         return jnp.sum(out.astype(jnp.float32) * cot), (out, recorder.stacked())
 
+    return loss, (q, k, v, sinks, plan)
+
+
+def test_attention_core_traces_to_the_mosaic_gpu_kernels_in_gpu_interpret_mode():
+    """Under GPU interpret mode, the layers' protected core (``protected_attention``, what the
+    drop-ins call) with ``implementation='pallas'`` traces, forward and backward, to the three
+    Mosaic GPU flash kernels and no other Pallas call.
+
+    The core alone: the layers' projection GEMMs with implementation='pallas' are Triton-backend
+    kernels, which the GPU interpreter cannot run. Running it: the slow test below.
+    """
+    loss, args = _mosaic_core_case()
+    grad = jax.grad(functools.partial(loss, "pallas"), argnums=(0, 1, 2, 3), has_aux=True)
+    with gpu_interpret_mode():
+        jaxpr = jax.make_jaxpr(grad)(*args)
+    for kernel in FLASH_KERNELS:  # forward, dK/dV and dQ, all on Mosaic GPU
+        assert f"{kernel}_mgpu" in str(jaxpr), kernel
+    assert not _pallas_call_names(jaxpr)
+
+
+# Interpreting the three kernels takes ~40 s; test_flash_mgpu.py runs them against the XLA
+# path at this size in CI: slow (suite budget).
+@pytest.mark.slow
+def test_attention_core_runs_the_mosaic_gpu_kernel_in_gpu_interpret_mode():
+    """The same core run: values, gradients and counters as the XLA path's, with the fault at
+    ``scores`` and at ``context`` corrected. Eager: see ``gpu_interpret_mode``."""
+    loss, args = _mosaic_core_case()
     results = {}
     for impl in ("pallas", "xla"):
         grad = jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3), has_aux=True)
         with gpu_interpret_mode():
-            if impl == "pallas":
-                text = str(jax.make_jaxpr(grad)(q, k, v, sinks, plan))
-                for kernel in FLASH_KERNELS:  # forward, dK/dV and dQ, all on Mosaic GPU
-                    assert f"{kernel}_mgpu" in text, kernel
-                assert not _pallas_call_names(jax.make_jaxpr(grad)(q, k, v, sinks, plan))
-            results[impl] = grad(q, k, v, sinks, plan)
+            results[impl] = grad(*args)
     (g_p, (y_p, c_p)), (g_x, (y_x, c_x)) = results["pallas"], results["xla"]
     assert c_p.tolist() == c_x.tolist()
     assert int(c_p.sum()) == 4  # scores and context: [1, 1, 0, 0] each
     assert np.asarray(g_p[3]).tolist() == np.asarray(g_x[3]).tolist()  # backward: clean
-    _close_to_reference(y_p, y_x, dtype)
+    _close_to_reference(y_p, y_x, jnp.bfloat16)
     for a, r in zip(g_p[:3], g_x[:3], strict=True):
-        _close_to_reference(a, r, dtype)
+        _close_to_reference(a, r, jnp.bfloat16)
