@@ -18,6 +18,11 @@ one (4 layers, d 256, MLP 1024, seq 256), that LM also with its attention layers
 drop-ins (``linen.protect``). ``--models lm`` and ``--variants NAME ...`` narrow it:
 
     python scripts/bench_overhead.py --whole-step --models lm --rounds 11
+
+The drop-ins' checks by direction and site class (:data:`DROP_IN_PARTS`) run only when named:
+
+    python scripts/bench_overhead.py --whole-step --models lm --variants \\
+        "drop-in attention (linen.protect), in place" "drop-ins, forward checks only" ...
 """
 
 from __future__ import annotations
@@ -149,6 +154,21 @@ DROP_IN_VARIANTS = {
     "drop-in attention (linen.protect), detect only": ABFTConfig(correct=False),
 }
 
+# Where the drop-ins' cost lies: their checks by direction and site class, in place. Run only
+# when named (--variants), to keep the default run's length.
+_PROJECTIONS = ("query", "key", "value", "out")
+DROP_IN_PARTS = {
+    "drop-ins, forward checks only": ABFTConfig(backward=False),
+    "drop-ins, backward checks only": ABFTConfig(forward=False),
+    "drop-ins, backward checks only, detect only": ABFTConfig(forward=False, correct=False),
+    "drop-ins, backward: scores": ABFTConfig(sites=("scores",), forward=False),
+    "drop-ins, backward: context": ABFTConfig(sites=("context",), forward=False),
+    "drop-ins, backward: scores and context": ABFTConfig(
+        sites=("scores", "context"), forward=False
+    ),
+    "drop-ins, backward: projections": ABFTConfig(sites=_PROJECTIONS, forward=False),
+}
+
 
 class MlpBlock(nn.Module):
     mlp_dim: int
@@ -248,7 +268,9 @@ def whole_step_linen_lm_fns(model: GPTConfig, batch_size: int, variants=None) ->
     fns = _compiled(step, (params, opt_state, tokens), _selected(WHOLE_STEP_VARIANTS, variants))
     with sl.protect(ABFTConfig(sites=())):
         sinks = sl.init_sinks(net, tokens[:, :-1])
-    for name, abft in _selected(DROP_IN_VARIANTS, variants).items():
+    drop_ins = _selected(DROP_IN_VARIANTS, variants)
+    drop_ins |= {k: v for k, v in DROP_IN_PARTS.items() if variants and k in variants}
+    for name, abft in drop_ins.items():
 
         def drop_in_step(params, opt_state, tokens, abft=abft):
             def loss_fn(p, sinks):
@@ -305,7 +327,7 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         nargs="+",
-        choices=[*WHOLE_STEP_VARIANTS, *DROP_IN_VARIANTS],
+        choices=[*WHOLE_STEP_VARIANTS, *DROP_IN_VARIANTS, *DROP_IN_PARTS],
         default=None,
         metavar="NAME",
         help="with --whole-step: only these variants (and the unprotected step)",
