@@ -158,6 +158,7 @@ DROP_IN_VARIANTS = {
 # when named (--variants), to keep the default run's length.
 _PROJECTIONS = ("query", "key", "value", "out")
 DROP_IN_PARTS = {
+    "drop-ins, nothing checked": ABFTConfig(sites=()),
     "drop-ins, forward checks only": ABFTConfig(backward=False),
     "drop-ins, backward checks only": ABFTConfig(forward=False),
     "drop-ins, backward checks only, detect only": ABFTConfig(forward=False, correct=False),
