@@ -226,7 +226,10 @@ def _contract_with_line_sums(
             # only lower it, which tightens the threshold (more alarms, never fewer).
             magnitude = _gemv(x, x_letters, w, v_letters, ct.contracted, kept)
         else:
-            x_max = jnp.max(jnp.abs(x), axis=contracted_axes).astype(f32)
+            # max|x| as max(max x, -min x): one reduction that reads x as it is. Reducing |x|,
+            # XLA:CPU writes |x| out in full first (a copy of a [q, k] gradient in attention).
+            extremes = reduce_together({"hi": ("max", x), "lo": ("min", x)}, contracted_axes)
+            x_max = jnp.maximum(extremes["hi"], -extremes["lo"]).astype(f32)
             w_total = per_matrix["w_total"] * scale_v  # letters batch_in_v
             magnitude = x_max * along(w_total, batch_in_v, kept, x_max.shape)
     else:
