@@ -147,6 +147,21 @@ def reduce_together(terms: dict[str, tuple[str, jax.Array]], axes) -> dict[str, 
     return dict(zip(names, out, strict=True))
 
 
+def _max_abs(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """``max |x|`` over ``axes``, as the fastest reduction for where they lie in ``x``.
+
+    Over ``x``'s trailing axes, ``max(max x, -min x)`` in one reduction that reads ``x`` as it
+    is: reducing ``|x|`` there, XLA:CPU writes ``|x|`` out in full first (a copy of each
+    ``[q, k]`` gradient an attention check reads). Over leading axes (a weight gradient's batch
+    and sequence) a two-output reduction is several times slower on XLA:CPU than reducing
+    ``|x|`` (``docs/performance.md``, "Reductions on the CPU"). Both give the same value.
+    """
+    if tuple(sorted(axes)) != tuple(range(x.ndim - len(axes), x.ndim)):
+        return jnp.max(jnp.abs(x), axis=axes)
+    extremes = reduce_together({"hi": ("max", x), "lo": ("min", x)}, axes)
+    return jnp.maximum(extremes["hi"], -extremes["lo"])
+
+
 def _contract_with_line_sums(
     x,
     x_letters,
@@ -226,10 +241,7 @@ def _contract_with_line_sums(
             # only lower it, which tightens the threshold (more alarms, never fewer).
             magnitude = _gemv(x, x_letters, w, v_letters, ct.contracted, kept)
         else:
-            # max|x| as max(max x, -min x): one reduction that reads x as it is. Reducing |x|,
-            # XLA:CPU writes |x| out in full first (a copy of a [q, k] gradient in attention).
-            extremes = reduce_together({"hi": ("max", x), "lo": ("min", x)}, contracted_axes)
-            x_max = jnp.maximum(extremes["hi"], -extremes["lo"]).astype(f32)
+            x_max = _max_abs(x, contracted_axes).astype(f32)
             w_total = per_matrix["w_total"] * scale_v  # letters batch_in_v
             magnitude = x_max * along(w_total, batch_in_v, kept, x_max.shape)
     else:
