@@ -118,9 +118,9 @@ def reduce_together(terms: dict[str, tuple[str, jax.Array]], axes) -> dict[str, 
 
     ``terms`` maps a name to ``("sum" | "max" | "min", array)``. The arrays are elementwise
     functions of one tensor (``c`` and ``|c|``; ``x·v`` and ``|x|``); one reduction with several
-    outputs is one pass over that tensor, its elementwise work fused in. Separate reductions are
-    separate passes, and XLA:CPU writes each one's elementwise input out in full before reducing
-    it.
+    outputs is one pass over that tensor, its elementwise work fused in: one kernel on a GPU.
+    On XLA:CPU separate reductions measure faster in isolation (``docs/performance.md``,
+    "Reductions on the CPU"; ``scripts/bench_reductions.py``).
     """
     names = list(terms)
     kinds = [terms[n][0] for n in names]
