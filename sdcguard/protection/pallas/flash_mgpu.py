@@ -372,6 +372,32 @@ def _threshold(bound, scale, *, contraction, line, config, extra=0.0):
     )
 
 
+def _narrow_check(c, sums, a_max, scal_ref, tile, *, contraction, line, config):
+    """Row checks of ``c = A·Bᵀ [m, n]`` from ``sums = A·chkᵀ [m, 8]`` (see
+    :func:`tile_column_sums`), ``a_max [m]`` = ``max|A|`` per row, and B's tile scalars."""
+    col8 = _iota(sums.shape, 1)
+    expected = jnp.sum(jnp.where(col8 < 3, sums, 0.0), axis=1)
+    weighted = jnp.sum(jnp.where((col8 >= 3) & (col8 < 6), sums, 0.0), axis=1)
+    scale = scal_ref[_KSCAL * tile]
+    bound = a_max * scal_ref[_KSCAL * tile + 1]
+    w_bound = a_max * scal_ref[_KSCAL * tile + 2]
+    # The three-term split of B's sums is exact to ~2^-24 of each term (fp16: to its
+    # subnormal spacing 2^-24 of the scaled sums, < 1).
+    split = 2.0**-22 * bound + 2.0**-23 * contraction * a_max
+    w_split = 2.0**-22 * w_bound + 2.0**-23 * contraction * line * a_max
+    chk = _RowCheck(
+        expected=expected,
+        weighted=weighted,
+        threshold=_threshold(
+            bound, scale, contraction=contraction, line=line, config=config, extra=split
+        ),
+        weighted_threshold=_threshold(
+            w_bound, scale, contraction=contraction, line=line, config=config, extra=w_split
+        ),
+    )
+    return _check_rows(c, chk, scale, config=config)
+
+
 def _kernel_refs(refs, has_mask: bool, n_tables: int):
     """``(mask ref or None, fault table refs, the rest)`` from the refs after a kernel's
     operands: the mask's (when there is one), two per present fault table (ints, values), then
@@ -800,32 +826,6 @@ def flag_counts(flags: jax.Array):
 # the registers' A (``Σ_k A·(Be)``) when A is in registers.
 
 BACKWARD_SITES = ("scores.grad_lhs", "scores.grad_rhs", "context.grad_lhs", "context.grad_rhs")
-
-
-def _narrow_check(c, sums, a_max, scal_ref, tile, *, contraction, line, config):
-    """Row checks of ``c = A·Bᵀ [m, n]`` from ``sums = A·chkᵀ [m, 8]`` (see
-    :func:`tile_column_sums`), ``a_max [m]`` = ``max|A|`` per row, and B's tile scalars."""
-    col8 = _iota(sums.shape, 1)
-    expected = jnp.sum(jnp.where(col8 < 3, sums, 0.0), axis=1)
-    weighted = jnp.sum(jnp.where((col8 >= 3) & (col8 < 6), sums, 0.0), axis=1)
-    scale = scal_ref[_KSCAL * tile]
-    bound = a_max * scal_ref[_KSCAL * tile + 1]
-    w_bound = a_max * scal_ref[_KSCAL * tile + 2]
-    # The three-term split of B's sums is exact to ~2^-24 of each term (fp16: to its
-    # subnormal spacing 2^-24 of the scaled sums, < 1).
-    split = 2.0**-22 * bound + 2.0**-23 * contraction * a_max
-    w_split = 2.0**-22 * w_bound + 2.0**-23 * contraction * line * a_max
-    chk = _RowCheck(
-        expected=expected,
-        weighted=weighted,
-        threshold=_threshold(
-            bound, scale, contraction=contraction, line=line, config=config, extra=split
-        ),
-        weighted_threshold=_threshold(
-            w_bound, scale, contraction=contraction, line=line, config=config, extra=w_split
-        ),
-    )
-    return _check_rows(c, chk, scale, config=config)
 
 
 def _vector_check(c, x, vecs, *, nonnegative, contraction, line, config):
