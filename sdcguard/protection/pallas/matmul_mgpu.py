@@ -58,6 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from sdcguard.fault_model import NEAR_INF
 from sdcguard.protection._checksums import power_of_two_below
 from sdcguard.protection._tolerance import scaled_line_threshold
 from sdcguard.protection.pallas._tiles import finite, split3
@@ -129,19 +130,19 @@ class KernelSettings:
       block_sizes: the tiles.
       check: run the checksum epilogue (else a plain GEMM).
       correct: rebuild what the epilogue locates (else only report it).
-      near_inf: magnitude located directly in a flagged row.
+      near_inf: magnitude located directly in a flagged row (``ABFTConfig``'s default).
       num_faults: faults the host resolved per tile, written into the accumulator before
         the check (``FIRST_FAULT_ROW`` onwards of the parameter block).
 
     Example:
-      >>> KernelSettings(out_dtype=jnp.bfloat16, block_sizes=BlockSizes(), near_inf=1e30)
+      >>> KernelSettings(out_dtype=jnp.bfloat16, block_sizes=BlockSizes())
     """
 
     out_dtype: jnp.dtype
     block_sizes: BlockSizes = BlockSizes()
     check: bool = True
     correct: bool = True
-    near_inf: float = 0.0
+    near_inf: float = NEAR_INF
     num_faults: int = 0
 
     def __post_init__(self):

@@ -88,3 +88,19 @@ def test_checked_matmul_at_two_call_sites_is_one_kernel(check):
     # Unchecked, `correct` does not reach the kernel: c4 is c1's kernel.
     assert len(signatures) == 2
     assert len(kernels) == (3 if check else 2), kernels
+
+
+def test_kernel_settings_default_to_abft_config_and_key_unchecked_launches_alike():
+    """A launch's settings default to ``ABFTConfig``'s ``near_inf`` (not 0, which would locate
+    every element of a flagged row directly), and unchecked launches that differ only in the
+    epilogue's settings are one jit key (one compiled kernel)."""
+    from sdcguard.protection.pallas.matmul_mgpu import KernelSettings
+
+    assert KernelSettings(out_dtype=jnp.bfloat16).near_inf == ABFTConfig().near_inf
+    plain = KernelSettings(out_dtype=jnp.bfloat16, check=False)
+    other = KernelSettings(out_dtype="bfloat16", check=False, correct=False, near_inf=5.0,
+                           num_faults=2)  # fmt: skip
+    assert plain == other and hash(plain) == hash(other)
+    assert KernelSettings(out_dtype=jnp.bfloat16, near_inf=5.0) != KernelSettings(
+        out_dtype=jnp.bfloat16
+    )
