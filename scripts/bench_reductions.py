@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdcguard.protection._checksums import reduce_together
+from sdcguard.protection._checksums import _one_reduction
 
 # name: (shape, reduced axes)
 LAYOUTS = {
@@ -34,14 +34,14 @@ def variants(axes) -> dict:
         return jnp.sum(x, axis=axes), jnp.sum(jnp.abs(x), axis=axes)
 
     def sums_together(x):
-        out = reduce_together({"v": ("sum", x), "w": ("sum", jnp.abs(x))}, axes)
+        out = _one_reduction({"v": ("sum", x), "w": ("sum", jnp.abs(x))}, axes)
         return out["v"], out["w"]
 
     def max_abs(x):
         return jnp.max(jnp.abs(x), axis=axes)
 
     def max_and_min(x):
-        out = reduce_together({"hi": ("max", x), "lo": ("min", x)}, axes)
+        out = _one_reduction({"hi": ("max", x), "lo": ("min", x)}, axes)
         return jnp.maximum(out["hi"], -out["lo"])
 
     return {

@@ -15,6 +15,16 @@ def sums_low_precision_in_float32() -> bool:
     return jax.default_backend() != "cpu"
 
 
+def reductions_share_a_pass(backend: str | None = None) -> bool:
+    """Whether a check's reductions over one tensor run best as one multi-output reduction.
+
+    True on GPUs and TPUs: one pass over the tensor, one kernel. False on XLA:CPU, where one
+    reduction with several outputs measures several times slower than separate reductions
+    (docs/performance.md, "Reductions on the CPU").
+    """
+    return (backend or jax.default_backend()) != "cpu"
+
+
 def input_rounding(dtype, precision=None, backend: str | None = None) -> float:
     """Unit round-off of the backend's rounding of matmul inputs (0 when exact).
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from sdcguard.protection._backend import reductions_share_a_pass
 from sdcguard.protection._contraction import Contraction, along, axes_of
 from sdcguard.protection._tolerance import line_threshold, narrower_than_float32, output_rounding
 
@@ -114,14 +115,26 @@ def power_of_two_below(m: jax.Array) -> jax.Array:
 
 
 def reduce_together(terms: dict[str, tuple[str, jax.Array]], axes) -> dict[str, jax.Array]:
-    """Sums, maxima and minima of arrays of one shape over ``axes``, as one variadic reduction.
+    """Sums, maxima and minima of arrays of one shape over ``axes``, in one pass where it pays.
 
     ``terms`` maps a name to ``("sum" | "max" | "min", array)``. The arrays are elementwise
-    functions of one tensor (``c`` and ``|c|``; ``x·v`` and ``|x|``); one reduction with several
-    outputs is one pass over that tensor, its elementwise work fused in: one kernel on a GPU.
-    On XLA:CPU separate reductions measure faster in isolation (``docs/performance.md``,
-    "Reductions on the CPU"; ``scripts/bench_reductions.py``).
+    functions of one tensor (``c`` and ``|c|``; ``x·v`` and ``|x|``). On a GPU they are one
+    reduction with several outputs, one pass over that tensor with its elementwise work fused
+    in: one kernel. On XLA:CPU, where that reduction is several times slower, they are separate
+    reductions (:func:`reductions_share_a_pass`).
+
+    Example:
+      >>> out = reduce_together({"v": ("sum", x), "w": ("sum", jnp.abs(x))}, (1,))
+      >>> out["v"].shape  # x: [m, n] -> [m]
     """
+    if reductions_share_a_pass():
+        return _one_reduction(terms, axes)
+    reducers = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
+    return {n: reducers[kind](x, axis=tuple(axes)) for n, (kind, x) in terms.items()}
+
+
+def _one_reduction(terms: dict[str, tuple[str, jax.Array]], axes) -> dict[str, jax.Array]:
+    """:func:`reduce_together`'s terms as one variadic ``lax.reduce``."""
     names = list(terms)
     kinds = [terms[n][0] for n in names]
 
@@ -158,7 +171,7 @@ def _max_abs(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     """
     if tuple(sorted(axes)) != tuple(range(x.ndim - len(axes), x.ndim)):
         return jnp.max(jnp.abs(x), axis=axes)
-    extremes = reduce_together({"hi": ("max", x), "lo": ("min", x)}, axes)
+    extremes = _one_reduction({"hi": ("max", x), "lo": ("min", x)}, axes)
     return jnp.maximum(extremes["hi"], -extremes["lo"])
 
 

@@ -21,6 +21,7 @@ from sdcguard.protection import (
     line_checksums,
     roundoff_gamma,
 )
+from sdcguard.protection._backend import reductions_share_a_pass
 from sdcguard.protection._checks import repair_if
 from sdcguard.protection._checksums import reduce_together
 from sdcguard.protection._config import Counts, zero_counts
@@ -387,18 +388,28 @@ def test_row_checksums_of_every_attention_gemm_match_the_definition(gemm, which)
     assert bool(jnp.all(rows.deviation <= rows.threshold))
 
 
-def test_reductions_taken_together_equal_separate_ones():
-    """One variadic reduction gives what separate sums and maxima give, NaN propagated, for
-    float and integer arrays alike."""
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one_pass", "separate"])
+def test_reductions_taken_together_equal_separate_ones(one_pass, monkeypatch):
+    """Both formulations of a check's reductions (one variadic reduction on a GPU, separate ones
+    on the CPU) give what separate sums and maxima give, NaN propagated, for float and integer
+    arrays alike."""
+    monkeypatch.setattr(_checksums, "reductions_share_a_pass", lambda: one_pass)
     x = jax.random.normal(jax.random.key(7), (3, 5, 7)).at[1, 2, 3].set(jnp.nan)
     flags = (x > 0).astype(jnp.int8)
-    out = reduce_together(
-        {"sum": ("sum", x), "max": ("max", jnp.abs(x)), "flags": ("max", flags)}, (1, 2)
-    )
+    terms = {"sum": ("sum", x), "max": ("max", jnp.abs(x)), "flags": ("max", flags)}
+    out = reduce_together(terms, (1, 2))
     np.testing.assert_allclose(out["sum"], jnp.sum(x, axis=(1, 2)), rtol=1e-6)
     np.testing.assert_array_equal(out["max"], jnp.max(jnp.abs(x), axis=(1, 2)))
     np.testing.assert_array_equal(out["flags"], jnp.max(flags, axis=(1, 2)))
     assert np.isnan(out["sum"][1]) and np.isnan(out["max"][1])
+    lowered = jax.jit(lambda x, f: reduce_together({**terms, "flags": ("max", f)}, (1, 2)))
+    text = lowered.lower(x, flags).as_text()
+    assert text.count("stablehlo.reduce") == (1 if one_pass else 3), text
+
+
+def test_reductions_share_a_pass_off_the_cpu_only():
+    assert reductions_share_a_pass("gpu") and reductions_share_a_pass("tpu")
+    assert not reductions_share_a_pass("cpu")
 
 
 @pytest.mark.parametrize("gemm", list(ATTENTION_GEMMS))
