@@ -1,24 +1,43 @@
 """The reductions of a check on this backend: separate ones against one multi-output reduction.
 
-``reduce_together`` (``sdcguard.protection._checksums``) makes a check's reductions one
-reduction with several outputs, one pass over the tensor. This times, per layout, ``Σx`` and
-``Σ|x|`` as two reductions against one, and ``max|x|`` against ``max(max x, -min x)`` in one,
-each compiled alone, interleaved over rounds (medians), float32:
+``reduce_together`` (``sdcguard.protection._checksums``) takes a check's reductions over one
+tensor as one reduction with several outputs (one pass) on a GPU or TPU, as separate reductions
+on XLA:CPU (``reductions_share_a_pass``). This times, per layout, ``Σx`` and ``Σ|x|`` as two
+reductions against one, and ``max|x|`` against ``max(max x, -min x)`` in one, each compiled
+alone, interleaved over rounds (medians), float32:
 
     python scripts/bench_reductions.py --rounds 11
+
+``--whole-step`` times both forms where they count, in the whole training step of the
+Flax-example LM of ``bench_overhead.py`` (every GEMM checked, and the drop-ins), each variant
+traced once per form, all timed interleaved in one process:
+
+    python scripts/bench_reductions.py --whole-step --rounds 15
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sdcguard.protection import _checksums
 from sdcguard.protection._checksums import _one_reduction
+
+# --whole-step: the bench_overhead.py variants timed in both forms.
+WHOLE_STEP_VARIANTS = (
+    "every GEMM, in place",
+    "every GEMM, detect only",
+    "drop-in attention (linen.protect), in place",
+    "drop-in attention (linen.protect), detect only",
+)
+FORMS = {"one pass": True, "separate": False}
 
 # name: (shape, reduced axes)
 LAYOUTS = {
@@ -52,12 +71,53 @@ def variants(axes) -> dict:
     }
 
 
+def whole_step(rounds: int, inner: int) -> dict:
+    """Per variant and form, the step's time and overhead against the unprotected step."""
+    import bench_overhead  # a sibling script: run from the repository root or scripts/
+    from timing import interleaved, overheads, per_call
+
+    fns = {}
+    for form, one_pass in FORMS.items():
+        # Only the trace differs: the form is read while the checks are traced.
+        with mock.patch.object(_checksums, "reductions_share_a_pass", lambda p=one_pass: p):
+            traced = bench_overhead.whole_step_linen_lm_fns(
+                bench_overhead.SIZES["bench"], 8, variants=list(WHOLE_STEP_VARIANTS)
+            )
+        for name, fn in traced.items():
+            fns[name if name == "unprotected" else f"{name} [{form}]"] = fn
+    timers = {name: per_call(fn, inner) for name, fn in fns.items()}
+    results = overheads(interleaved(timers, rounds), base="unprotected")
+    for name, r in results.items():
+        q1, q3 = r["overhead_iqr"]
+        print(
+            f"{name:62s} {r['median_s'] * 1e3:8.2f} ms  {r['overhead'] * 100:+6.1f}% "
+            f"(IQR {q1 * 100:+.1f}..{q3 * 100:+.1f}%)"
+        )
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=11)
-    parser.add_argument("--inner", type=int, default=10)
+    parser.add_argument("--inner", type=int, default=None, help="calls per timing (10; 3 steps)")
+    parser.add_argument("--whole-step", action="store_true")
     parser.add_argument("--out", help="write the medians (ms) as JSON here")
     args = parser.parse_args()
+    if args.whole_step:
+        results = whole_step(args.rounds, args.inner or 3)
+        report = {
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "device": jax.devices()[0].device_kind,
+            "command": " ".join(["python", *sys.argv]),
+            "rounds": args.rounds,
+            "results": results,
+        }
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+        return
+    args.inner = args.inner or 10
     results = {}
     for layout, (shape, axes) in LAYOUTS.items():
         x = jax.random.normal(jax.random.key(0), shape, jnp.float32)
