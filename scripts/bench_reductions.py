@@ -13,6 +13,11 @@ Flax-example LM of ``bench_overhead.py`` (every GEMM checked, and the drop-ins),
 traced once per form, all timed interleaved in one process:
 
     python scripts/bench_reductions.py --whole-step --rounds 15
+    python scripts/bench_reductions.py --whole-step --dtype bfloat16 --rounds 11
+
+With ``--dtype bfloat16`` or ``float16`` the step is ``bench_clean_path.py``'s: the same LM
+(4 layers) computing in that dtype from float32 parameters, every GEMM checked (detect only and
+in place; the drop-ins compute in float32 only).
 """
 
 from __future__ import annotations
@@ -71,7 +76,28 @@ def variants(axes) -> dict:
     }
 
 
-def whole_step(rounds: int, inner: int) -> dict:
+def _low_precision_step_fns(dtype) -> dict:
+    """The LM step in ``dtype``: plain, and every GEMM checked (detect only, in place)."""
+    from bench_clean_path import lm_step
+
+    import sdcguard
+    from sdcguard import ABFTConfig
+
+    step, args = lm_step(jnp.dtype(dtype), layers=4)
+    variants = {
+        "unprotected": None,
+        "every GEMM, in place": ABFTConfig(),
+        "every GEMM, detect only": ABFTConfig(correct=False),
+    }
+    fns = {}
+    for name, config in variants.items():
+        fn = step if config is None else sdcguard.checked(step, config)
+        compiled = jax.jit(fn).lower(*args).compile()
+        fns[name] = lambda c=compiled: c(*args)
+    return fns
+
+
+def whole_step(rounds: int, inner: int, dtype: str = "float32") -> dict:
     """Per variant and form, the step's time and overhead against the unprotected step."""
     import bench_overhead  # a sibling script: run from the repository root or scripts/
     from timing import interleaved, overheads, per_call
@@ -80,10 +106,15 @@ def whole_step(rounds: int, inner: int) -> dict:
     for form, one_pass in FORMS.items():
         # Only the trace differs: the form is read while the checks are traced.
         with mock.patch.object(_checksums, "reductions_share_a_pass", lambda p=one_pass: p):
-            traced = bench_overhead.whole_step_linen_lm_fns(
-                bench_overhead.SIZES["bench"], 8, variants=list(WHOLE_STEP_VARIANTS)
-            )
+            if dtype == "float32":
+                traced = bench_overhead.whole_step_linen_lm_fns(
+                    bench_overhead.SIZES["bench"], 8, variants=list(WHOLE_STEP_VARIANTS)
+                )
+            else:
+                traced = _low_precision_step_fns(dtype)
         for name, fn in traced.items():
+            if name == "unprotected" and name in fns:
+                continue  # one plain step: it has no check to trace two ways
             fns[name if name == "unprotected" else f"{name} [{form}]"] = fn
     timers = {name: per_call(fn, inner) for name, fn in fns.items()}
     results = overheads(interleaved(timers, rounds), base="unprotected")
@@ -101,11 +132,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--inner", type=int, default=None, help="calls per timing (10; 3 steps)")
     parser.add_argument("--whole-step", action="store_true")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="with --whole-step: the step's compute dtype",
+    )
     parser.add_argument("--out", help="write the medians (ms) as JSON here")
     args = parser.parse_args()
     if args.whole_step:
-        results = whole_step(args.rounds, args.inner or 3)
+        results = whole_step(args.rounds, args.inner or 3, args.dtype)
         report = {
+            "dtype": args.dtype,
             "jax": jax.__version__,
             "backend": jax.default_backend(),
             "device": jax.devices()[0].device_kind,
