@@ -63,6 +63,9 @@ VARIANTS = {
     "in place, while": ABFTConfig(repair="while"),
     "recompute": ABFTConfig(recompute=True),
     "recompute, while": ABFTConfig(recompute=True, repair="while"),
+    # The same two steps with XLA:GPU told to record conditionals and loops in its CUDA graphs.
+    "in place, graph conditionals": ABFTConfig(),
+    "recompute, graph conditionals": ABFTConfig(recompute=True),
     "attention only, in place": ABFTConfig(include=("**attn**",), allow_unmatched=True),
     # The Mosaic GPU kernels (issue 36): compile time and step time of the pallas step.
     "detect only, pallas": ABFTConfig(correct=False, implementation="pallas"),
@@ -83,6 +86,15 @@ FP32_VARIANTS = ("plain", "detect only", "in place")
 # Command buffers off: the profiler then attributes device time to each HLO instruction
 # (inside a CUDA graph nearly all of it is one command_buffer instruction).
 NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}
+# XLA's command buffer kinds with CONDITIONAL and WHILE added: a cond's predicate is then read
+# by the GPU inside the graph (a conditional node), not by the host between graphs.
+GRAPH_CONDITIONALS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+}
+COMPILE_OPTIONS = {
+    "in place, graph conditionals": GRAPH_CONDITIONALS,
+    "recompute, graph conditionals": GRAPH_CONDITIONALS,
+}
 
 
 class Block(nn.Module):
@@ -156,7 +168,11 @@ def bench_lm(
     trace_dir: Path | None = None,
     attribute=(),
     inject=("in place",),
+    into: dict | None = None,
 ) -> dict:
+    """The step's variants timed; ``into`` is filled as each part is measured (a run cut short
+    keeps what it measured)."""
+    result = {} if into is None else into
     step, args = lm_step(size, dtype)
     defaults = FP32_VARIANTS if dtype == jnp.float32 else BF16_VARIANTS
     # Named variants run as named (the pallas ones only so); fp32 keeps to its own list.
@@ -164,10 +180,11 @@ def bench_lm(
     if dtype == jnp.float32:
         names = tuple(n for n in names if n in FP32_VARIANTS)
     fns, compile_s, hlo = {}, {}, {}
+    result.update(dtype=jnp.dtype(dtype).name, compile_s=compile_s)
     for name in names:
         config = VARIANTS[name]
         fn = step if config is None else sdcguard.checked(step, config)
-        fns[name], compile_s[name], hlo[name] = compiled(fn, args)
+        fns[name], compile_s[name], hlo[name] = compiled(fn, args, COMPILE_OPTIONS.get(name))
         print(f"{jnp.dtype(dtype).name} {name}: compiled in {compile_s[name]:.1f} s", flush=True)
     alarms = {}
     for name in names:
@@ -177,17 +194,19 @@ def bench_lm(
         print(f"{jnp.dtype(dtype).name} {name}: ran, alarms {alarms.get(name, '-')}", flush=True)
     times = interleaved({n: per_call(f, 3) for n, f in fns.items()}, rounds)
     summary = overheads(times, base="plain")
+    result.update(overheads=summary, clean_alarms=alarms)
     for name, s in summary.items():
         print(
             f"{jnp.dtype(dtype).name} {name}: {s['median_s'] * 1e3:.2f} ms, {_ratio(s)}", flush=True
         )
     sites = sdcguard.list_sites(step, *args)
+    result.update(checked_sites=sum(s.checked for s in sites), sites=len(sites))
     # Injected faults in the users' compute dtype: another compilation of the in-place step.
-    faults = {}
+    faults = result["faults"] = {}
     if dtype != jnp.float32:
         for name in (n for n in inject if n in names):
             faults[name] = corrected_faults(step, args, sites, VARIANTS[name])
-    traces = {}
+    traces = result["traces"] = {}
     if trace_dir is not None:
         for name in names:  # as timed: how many kernels, graph launches and host syncs
             traces[name] = trace_summary.profile(
@@ -200,16 +219,7 @@ def bench_lm(
             jax.block_until_ready(run())
             where = _where(trace_dir, dtype, name + " no graphs")
             traces[name + ", command buffers off"] = trace_summary.profile(run, text, where)
-    return {
-        "dtype": jnp.dtype(dtype).name,
-        "checked_sites": sum(s.checked for s in sites),
-        "sites": len(sites),
-        "compile_s": compile_s,
-        "overheads": summary,
-        "clean_alarms": alarms,
-        "faults": faults,
-        "traces": traces,
-    }
+    return result
 
 
 def _where(trace_dir: Path, dtype, name: str) -> Path:
@@ -351,11 +361,18 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for key, measure in sections:
         start = time.perf_counter()
+        partial = {}
         try:
-            value = measure()
-        except Exception as error:  # report it, keep what the other sections measure
+            value = measure(into=partial) if key == "lm" else measure()
+        except (Exception, KeyboardInterrupt) as error:  # keep what was measured, say what not
             failed.append(f"{key}: {type(error).__name__}: {error}")
             console.print_exception(max_frames=8)
+            if partial:
+                result["lm"].append({**partial, "incomplete": True})
+            result["failed"] = failed
+            args.out.write_text(json.dumps(result, indent=2))
+            if isinstance(error, KeyboardInterrupt):
+                break
             continue
         if key == "lm":
             result["lm"].append(value)
@@ -369,14 +386,14 @@ def main() -> int:
     for col in ("compute", "variant", "time", "ratio (IQR)", "compile", "clean alarms"):
         table.add_column(col)
     for lm in result["lm"]:
-        for name, s in lm["overheads"].items():
+        for name, s in lm.get("overheads", {}).items():
             table.add_row(
                 lm["dtype"],
                 name,
                 f"{s['median_s'] * 1e3:.2f} ms",
                 _ratio(s),
                 f"{lm['compile_s'][name]:.1f} s",
-                str(lm["clean_alarms"].get(name, "-")),
+                str(lm.get("clean_alarms", {}).get(name, "-")),
             )
     console.print(table)
     gemms = Table(title=f"one bf16 GEMM, checked / jnp.dot, {device.device_kind}")
@@ -387,14 +404,14 @@ def main() -> int:
             gemms.add_row(shape, name, f"{s['median_s'] * 1e3:.3f} ms", _ratio(s))
     console.print(gemms)
     for lm in result["lm"]:
-        for variant, faults in lm["faults"].items():
+        for variant, faults in lm.get("faults", {}).items():
             for site, f in faults.items():
                 console.print(
                     f"{lm['dtype']} {variant}: INF at {site}: counts {f['counts']}, "
                     f"loss {f['loss']:.6f} (clean {f['clean_loss']:.6f})"
                 )
     for lm in result["lm"]:
-        for name, trace in lm["traces"].items():
+        for name, trace in lm.get("traces", {}).items():
             console.print(_trace_table(f"{lm['dtype']} {name}", trace))
     for failure in failed:
         console.print(f"[red]not measured[/red]: {failure}")
