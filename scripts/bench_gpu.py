@@ -212,6 +212,7 @@ def bench_lm(
             traces[name] = trace_summary.profile(
                 fns[name], hlo[name], _where(trace_dir, dtype, name)
             )
+            _print_trace(dtype, name, traces[name])
         for name in (n for n in attribute if n in names):  # command buffers off: per instruction
             config = VARIANTS[name]
             fn = step if config is None else sdcguard.checked(step, config)
@@ -219,7 +220,19 @@ def bench_lm(
             jax.block_until_ready(run())
             where = _where(trace_dir, dtype, name + " no graphs")
             traces[name + ", command buffers off"] = trace_summary.profile(run, text, where)
+            _print_trace(
+                dtype, name + ", command buffers off", traces[name + ", command buffers off"]
+            )
     return result
+
+
+def _print_trace(dtype, name: str, trace: dict) -> None:
+    print(
+        f"{jnp.dtype(dtype).name} {name}: profiled, {trace['device_ms_per_call']:.2f} ms device, "
+        f"{trace['kernels_per_call']:g} kernels, launches {trace['launch_calls_per_call']}, "
+        f"host waits {trace.get('host_waits_per_call')}",
+        flush=True,
+    )
 
 
 def _where(trace_dir: Path, dtype, name: str) -> Path:
@@ -275,9 +288,11 @@ def _ratio(s: dict) -> str:
 
 def _trace_table(title: str, trace: dict) -> Table:
     launches = ", ".join(f"{k} {v:g}" for k, v in trace["launch_calls_per_call"].items()) or "-"
+    waits = ", ".join(f"{k} {v:g}" for k, v in trace.get("host_waits_per_call", {}).items())
     table = Table(
         title=f"{title}: {trace['device_ms_per_call']:.2f} ms of device time, "
-        f"{trace['kernels_per_call']:g} kernels per step; launch calls: {launches}"
+        f"{trace['kernels_per_call']:g} kernels per step; launch calls: {launches}; "
+        f"host waits: {waits or '-'}"
     )
     for col in ("HLO instruction", "ms per step", "runs", "op_name"):
         table.add_column(col)

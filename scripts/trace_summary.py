@@ -105,10 +105,17 @@ def summarize(trace: Path, names: dict[str, str], *, calls: int, top: int = 12) 
     launches = collections.Counter(
         e["name"] for e in spans if e["pid"] not in devices and "Launch" in e["name"]
     )
+    # The host waiting on the device or copying from it (a cond's predicate read by the host).
+    waits = collections.Counter(
+        e["name"]
+        for e in spans
+        if e["pid"] not in devices and any(w in e["name"] for w in ("Synchronize", "Memcpy"))
+    )
     return {
         "device_ms_per_call": sum(time_us.values()) / calls / 1e3,
         "kernels_per_call": len(ops) / calls,
         "launch_calls_per_call": {k: v / calls for k, v in launches.most_common()},
+        "host_waits_per_call": {k: v / calls for k, v in waits.most_common()},
         "top": [
             {
                 "hlo_op": op,
