@@ -201,11 +201,6 @@ def bench_lm(
         )
     sites = sdcguard.list_sites(step, *args)
     result.update(checked_sites=sum(s.checked for s in sites), sites=len(sites))
-    # Injected faults in the users' compute dtype: another compilation of the in-place step.
-    faults = result["faults"] = {}
-    if dtype != jnp.float32:
-        for name in (n for n in inject if n in names):
-            faults[name] = corrected_faults(step, args, sites, VARIANTS[name])
     traces = result["traces"] = {}
     if trace_dir is not None:
         for name in names:  # as timed: how many kernels, graph launches and host syncs
@@ -223,6 +218,12 @@ def bench_lm(
             _print_trace(
                 dtype, name + ", command buffers off", traces[name + ", command buffers off"]
             )
+    # Injected faults in the users' compute dtype, after the profiles (a run cut short keeps
+    # them): one more compilation of each injected step.
+    faults = result["faults"] = {}
+    if dtype != jnp.float32:
+        for name in (n for n in inject if n in names):
+            faults[name] = corrected_faults(step, args, sites, VARIANTS[name])
     return result
 
 
@@ -230,7 +231,9 @@ def _print_trace(dtype, name: str, trace: dict) -> None:
     print(
         f"{jnp.dtype(dtype).name} {name}: profiled, {trace['device_ms_per_call']:.2f} ms device, "
         f"{trace['kernels_per_call']:g} kernels, launches {trace['launch_calls_per_call']}, "
-        f"host waits {trace.get('host_waits_per_call')}",
+        f"host waits {trace.get('host_waits_per_call')}; checks {trace['check_ms_per_call']:.2f} "
+        f"ms device in {trace['check_kernels_per_call']:g} kernels, costliest "
+        + ", ".join(f"{c['check']} {c['ms_per_call']:.3f}" for c in trace["top_checks"][:6]),
         flush=True,
     )
 

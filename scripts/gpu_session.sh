@@ -6,13 +6,15 @@
 #   bash scripts/gpu_session.sh                 # on an H100/H200, about 8 minutes
 #   FORCE=1 bash scripts/gpu_session.sh         # the same sections on the CPU, tiny sizes
 #
-# Sections, most wanted first (565 s in all):
-#   1. the bf16 d1024 step: plain, detect only, in place (cond, the default) and branch-free,
-#      recompute (cond, the default), in place and recompute with XLA recording conditionals in
-#      its CUDA graphs; INFs injected; per-instruction profiles of detect only and in place with
-#      command buffers off (issue 39);
-#   2. the Mosaic checked GEMM against cuBLAS, part by part (issue 36, item 2);
-#   3. ABFT flash attention (Mosaic) against cuDNN at seq 2048 (issue 36, item 3);
+# Sections, most wanted first (570 s in all):
+#   1. the bf16 d1024 step: plain, detect only, in place (a cond per GEMM, the default) and
+#      recompute (a cond); profiled as timed, then plain, detect only and in place again with
+#      command buffers off, so that device time is attributed per instruction and per check;
+#      then INFs injected (issue 39);
+#   2. the Mosaic checked GEMM against cuBLAS at issue 36's four shapes, part by part, each
+#      variant's kernels' device time from a profile beside its wall time (issue 36, item 2);
+#   3. ABFT flash attention against cuDNN at seq 2048: the Triton kernels and `checked` over
+#      cuDNN's (the Mosaic kernel only where it is not recorded as failing; issue 36, item 3);
 #   4. the step with the Mosaic GPU kernels: its compile time and step time (issue 36, item 4).
 set -u
 cd "$(dirname "$0")"
@@ -42,18 +44,18 @@ section() {  # section NAME SECONDS COMMAND...
 } >"$out/device.txt" 2>&1
 cat "$out/device.txt"
 section step 300 "$python" bench_gpu.py "${force[@]}" --dtypes bfloat16 --rounds 5 --no-gemms \
-  --variants plain "detect only" "in place" "in place, branch-free" \
-  "in place, graph conditionals" recompute "recompute, graph conditionals" \
-  --inject "in place" recompute --trace "${TRACE_DIR:-/tmp/sdcguard_trace}" --attribute "detect only" "in place" \
-  --out "$out/step.json"
-kernels_force=()
+  --variants plain "detect only" "in place" recompute \
+  --trace "${TRACE_DIR:-/tmp/sdcguard_trace}" --attribute plain "detect only" "in place" \
+  --inject "in place" recompute --out "$out/step.json"
+kernels=(--rounds 5 --device-time "${TRACE_DIR:-/tmp/sdcguard_trace}/kernels")
 if [[ "${FORCE:-0}" == 1 ]]; then
-  kernels_force=(--force)
+  kernels+=(--force)
+else  # the four shapes of issue 36, in its order
+  kernels+=(--shapes 8192x1024x4096 8192x4096x1024 "lm logits" "lm logits grad_rhs")
 fi
-section kernels 100 "$python" bench_gpu_kernels.py "${kernels_force[@]}" --rounds 5 \
-  --out "$out/kernels.json"
-section attention 75 "$python" bench_gpu_attention.py --seqs 2048 --rounds 5 --inner 3 \
+section kernels 150 "$python" bench_gpu_kernels.py "${kernels[@]}" --out "$out/kernels.json"
+section attention 60 "$python" bench_gpu_attention.py --seqs 2048 --rounds 5 --inner 3 \
   --out "$out/attention.json"
-section pallas_step 90 "$python" bench_gpu.py "${force[@]}" --dtypes bfloat16 --rounds 3 \
+section pallas_step 60 "$python" bench_gpu.py "${force[@]}" --dtypes bfloat16 --rounds 3 \
   --no-gemms --variants plain "in place, pallas" --inject --out "$out/pallas_step.json"
 ls -la "$out"

@@ -4,8 +4,9 @@
 reads the Perfetto trace it writes: the device time per call, the kernels per call, the host's
 launch calls (a step whose kernels run from CUDA graphs makes few; one that launches each
 kernel makes one per kernel), and the instructions that take most of the time, each with the
-JAX operation it came from (its ``op_name`` in the compiled HLO). On a GPU the events are the
-kernels on the device's streams; on the CPU, XLA's thunks.
+JAX operation it came from (its ``op_name`` in the compiled HLO), and the device time of the
+checks (instructions under :data:`sdcguard.protection.CHECK_SCOPE`) per layer and direction.
+On a GPU the events are the kernels on the device's streams; on the CPU, XLA's thunks.
 
     >>> step = jax.jit(f).lower(x).compile()
     >>> summary = profile(lambda: step(x), step.as_text(), Path("runs/trace"), calls=2)
@@ -21,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+
+from sdcguard.protection import CHECK_SCOPE
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -111,8 +114,20 @@ def summarize(trace: Path, names: dict[str, str], *, calls: int, top: int = 12) 
         for e in spans
         if e["pid"] not in devices and any(w in e["name"] for w in ("Synchronize", "Memcpy"))
     )
+    checks_us, check_kernels = collections.Counter(), 0
+    for op, us in time_us.items():
+        group = check_group(names.get(op) or "")
+        if group is not None:
+            checks_us[group] += us
+            check_kernels += count[op]
     return {
         "device_ms_per_call": sum(time_us.values()) / calls / 1e3,
+        "check_ms_per_call": sum(checks_us.values()) / calls / 1e3,
+        "check_kernels_per_call": check_kernels / calls,
+        "top_checks": [
+            {"check": group, "ms_per_call": us / calls / 1e3}
+            for group, us in checks_us.most_common(top)
+        ],
         "kernels_per_call": len(ops) / calls,
         "launch_calls_per_call": {k: v / calls for k, v in launches.most_common()},
         "host_waits_per_call": {k: v / calls for k, v in waits.most_common()},
@@ -126,3 +141,22 @@ def summarize(trace: Path, names: dict[str, str], *, calls: int, top: int = 12) 
             for op, us in time_us.most_common(top)
         ],
     }
+
+
+def check_group(op_name: str) -> str | None:
+    """The layer and direction of a check's instruction, from its ``op_name``; None for an
+    instruction of the step itself.
+
+    Example:
+      >>> check_group("jit(step)/transpose(jvp(LM))/block_0/mlp_in/sdcguard_check/reduce")
+      'block_0/mlp_in (backward)'
+    """
+    first = op_name.split(";")[0]
+    at = first.find(CHECK_SCOPE)
+    if at < 0:
+        return None
+    # "jit(step)/transpose(jvp(LM))/block_0/mlp_in/" or, outside any scope, "jit(f)/jvp(".
+    parts = first[:at].rstrip("/").split("/")[1:]
+    backward = bool(parts) and parts[0].startswith("transpose(")
+    layer = "/".join(parts[1:]) or "-"
+    return f"{layer} ({'backward' if backward else 'forward'})"

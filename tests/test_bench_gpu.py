@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+
+import sdcguard
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -112,3 +115,55 @@ def test_a_trace_without_xla_events_is_refused(tmp_path):
         json.dump({"traceEvents": [{"ph": "X", "pid": 1, "name": "python", "dur": 5}]}, f)
     with pytest.raises(ValueError, match="no event of an HLO instruction"):
         _trace_summary().summarize(trace, {}, calls=1)
+
+
+DIRECTIONS = ("forward", "backward")
+
+
+def test_a_trace_attributes_device_time_to_each_layers_checks(tmp_path):
+    """``--trace`` on a checked step: the checks' own instructions (under ``CHECK_SCOPE``) summed
+    per layer and direction; the plain step's instructions count for no check."""
+    trace_summary = _trace_summary()
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(64, name="head")(jnp.tanh(nn.Dense(128, name="mlp_in")(x)))
+
+    net, x = Net(), jnp.ones((256, 64)) * 0.1
+    params = net.init(jax.random.key(0), x)
+
+    def grads(params):
+        return jax.grad(lambda p: jnp.sum(net.apply(p, x) ** 2))(params)
+
+    summaries = {}
+    for name, fn in {"plain": grads, "checked": sdcguard.checked(grads)}.items():
+        compiled = jax.jit(fn).lower(params).compile()
+        compiled(params)
+        summaries[name] = trace_summary.profile(
+            lambda c=compiled: c(params), compiled.as_text(), tmp_path / name, calls=2
+        )
+    checked, plain = summaries["checked"], summaries["plain"]
+    assert plain["check_ms_per_call"] == 0 and plain["top_checks"] == []
+    assert 0 < checked["check_ms_per_call"] <= checked["device_ms_per_call"]
+    assert checked["check_kernels_per_call"] > 0
+    groups = {c["check"] for c in checked["top_checks"]}
+    assert groups <= {f"{layer} ({d})" for layer in ("head", "mlp_in") for d in DIRECTIONS}
+    assert {"head (forward)", "head (backward)"} <= groups, groups
+
+
+@pytest.mark.parametrize(
+    "op_name, group",
+    [
+        (
+            "jit(step)/transpose(jvp(LM))/block_0/mlp_in/sdcguard_check/reduce",
+            "block_0/mlp_in (backward)",
+        ),
+        ("jit(step)/jvp(LM)/head/sdcguard_check/cond/branch_1_fun/abs", "head (forward)"),
+        ("jit(f)/transpose(jvp(sdcguard_check))/add", "- (backward)"),
+        ("jit(step)/jvp(LM)/head/dot_general", None),
+        ("", None),
+    ],
+)
+def test_check_group_names_a_checks_layer_and_direction(op_name, group):
+    assert _trace_summary().check_group(op_name) == group

@@ -116,3 +116,26 @@ def test_timing_harness_on_tiny_cases():
     assert summed["ms"] == pytest.approx(sum(r["ms"] for r in rows[3:-1]))
     assert all(r["compile_s"] > 0 for r in rows[2:-1])
     bench.print_table(rows, "cpu")
+
+
+def test_device_time_profiles_each_variant(tmp_path):
+    """``--device-time``: each variant of a case profiled after it is timed; its row gets its
+    kernels' device time and the ratio to the baseline's (1 for the baseline itself)."""
+    bench = _bench()
+    x = jnp.ones((128, 128)) * 0.01
+    case = bench.Case(
+        name="tiny",
+        baseline="dot",
+        variants={
+            "dot": bench.Compiled(jnp.dot, x, x),
+            "three dots": bench.Compiled(lambda a, b: jnp.dot(jnp.dot(a, b), jnp.dot(b, a)), x, x),
+        },
+    )
+    rows = bench.run_cases(
+        [case], rounds=2, inner=2, device="cpu", start=time.perf_counter(), device_time=tmp_path
+    )
+    by_name = {r["variant"]: r for r in rows}
+    assert by_name["dot"]["device_ratio"] == 1.0
+    assert by_name["three dots"]["device_ms"] > 0
+    assert by_name["three dots"]["device_ratio"] > 1.0
+    assert (tmp_path / "tiny").is_dir()

@@ -30,7 +30,10 @@ from sdcguard.protection._checked import (
     list_sites as list_sites,
     total as total,
 )
-from sdcguard.protection._checks import check_contraction as check_contraction
+from sdcguard.protection._checks import (
+    CHECK_SCOPE as CHECK_SCOPE,
+    check_contraction as check_contraction,
+)
 from sdcguard.protection._checksums import line_checksums as line_checksums
 from sdcguard.protection._config import (
     ABFTConfig as ABFTConfig,
@@ -43,6 +46,7 @@ from sdcguard.protection._softmax import check_softmax_rows as check_softmax_row
 from sdcguard.protection._tolerance import roundoff_gamma as roundoff_gamma
 
 __all__ = [
+    "CHECK_SCOPE",
     "ABFTConfig",
     "Contraction",
     "Counts",

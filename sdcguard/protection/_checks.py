@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import string
 
@@ -25,7 +26,23 @@ from sdcguard.protection._tolerance import (
     output_rounding,
 )
 
+# The ``jax.named_scope`` a check's operations run under: in a compiled program's op names,
+# and so in a profile, it tells the checks' kernels from the step's own.
+CHECK_SCOPE = "sdcguard_check"
 
+
+def in_check_scope(fn):
+    """``fn`` with the operations it emits under :data:`CHECK_SCOPE` (op-name metadata only)."""
+
+    @functools.wraps(fn)
+    def scoped(*args, **kwargs):
+        with jax.named_scope(CHECK_SCOPE):
+            return fn(*args, **kwargs)
+
+    return scoped
+
+
+@in_check_scope
 def check_contraction(
     c: jax.Array,
     a: jax.Array,

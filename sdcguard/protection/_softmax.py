@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.interpreters import ad
 
-from sdcguard.protection._checks import repair_if, repair_strategy
+from sdcguard.protection._checks import in_check_scope, repair_if, repair_strategy
 from sdcguard.protection._config import ABFTConfig, count_outcomes
 from sdcguard.protection._sharding import device_mesh, shard_rows, sum_rows
 from sdcguard.protection._tolerance import unit_roundoff
@@ -51,6 +51,7 @@ def check_softmax_rows(
     return probs, sum_rows(counts, mesh)
 
 
+@in_check_scope
 def _check_softmax_rows_local(probs, scores, *, softmax, config):
     k = probs.shape[-1]
     p32 = probs.astype(jnp.float32)

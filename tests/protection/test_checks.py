@@ -193,3 +193,19 @@ def test_kernels_a_check_adds_to_a_gemm(dtype, monkeypatch):
     # The branch-free repair runs on every call; behind the cond, only when a check fired.
     assert counts["cond"]["conditional"] == 1
     assert extra["branch_free"] > extra["cond"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_a_checks_operations_run_under_the_check_scope(dtype):
+    """A profile tells the checks' kernels from the step's: in the compiled program, the check's
+    operations carry ``CHECK_SCOPE`` in their op names, the GEMM and the step's own do not."""
+    a = jax.random.normal(jax.random.key(0), (64, 32)).astype(dtype)
+    b = jax.random.normal(jax.random.key(1), (32, 48)).astype(dtype)
+    text = jax.jit(sdcguard.checked(_gemm_then_tanh)).lower(a, b).compile().as_text()
+    names = set(re.findall(r'op_name="([^"]*)"', text))
+    in_scope = {n for n in names if sdcguard.protection.CHECK_SCOPE in n}
+    assert any(n.endswith("/reduce_max") or "/reduce" in n for n in in_scope), in_scope
+    outside = names - in_scope
+    assert any(n.endswith("dot_general") for n in outside), outside
+    assert any(n.endswith("tanh") for n in outside), outside
+    assert not any(n.endswith("tanh") for n in in_scope), in_scope

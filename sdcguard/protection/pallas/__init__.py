@@ -14,7 +14,10 @@ Off a GPU every kernel runs in interpret mode (``interpret=None`` picks it): slo
 without a GPU; :func:`kernel_unavailable` says whether a kernel lowers on the installed JAX.
 """
 
-from sdcguard.protection.pallas._availability import kernel_unavailable as kernel_unavailable
+from sdcguard.protection.pallas._availability import (
+    fails_on_gpu as fails_on_gpu,
+    kernel_unavailable as kernel_unavailable,
+)
 from sdcguard.protection.pallas._platform import (
     as_h100 as as_h100,
     gpu_interpret_mode as gpu_interpret_mode,
@@ -53,6 +56,7 @@ __all__ = [
     "checked_contraction",
     "checked_matmul",
     "checked_matmul_reference",
+    "fails_on_gpu",
     "flash_attention",
     "flash_backward",
     "flash_forward",
