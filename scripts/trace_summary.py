@@ -144,17 +144,23 @@ def summarize(trace: Path, names: dict[str, str], *, calls: int, top: int = 12) 
 
 
 def check_group(op_name: str) -> str | None:
-    """The layer and direction of a check's instruction, from its ``op_name``; None for an
+    """The check an instruction belongs to, from its ``op_name``: the site a GEMM's check names
+    (:func:`sdcguard.protection.check_scope`), else the layer and direction; None for an
     instruction of the step itself.
 
     Example:
-      >>> check_group("jit(step)/transpose(jvp(LM))/block_0/mlp_in/sdcguard_check/reduce")
-      'block_0/mlp_in (backward)'
+      >>> check_group("jit(s)/jvp(LM)/head/sdcguard_check[head:dot_general.grad_lhs]/abs")
+      'head:dot_general.grad_lhs'
+      >>> check_group("jit(step)/jvp(LM)/block_0/attn/sdcguard_check/reduce")
+      'block_0/attn (forward)'
     """
     first = op_name.split(";")[0]
     at = first.find(CHECK_SCOPE)
     if at < 0:
         return None
+    rest = first[at + len(CHECK_SCOPE) :]
+    if rest.startswith("[") and "]" in rest:
+        return rest[1 : rest.index("]")].replace("|", "/")
     # "jit(step)/transpose(jvp(LM))/block_0/mlp_in/" or, outside any scope, "jit(f)/jvp(".
     parts = first[:at].rstrip("/").split("/")[1:]
     backward = bool(parts) and parts[0].startswith("transpose(")

@@ -117,12 +117,9 @@ def test_a_trace_without_xla_events_is_refused(tmp_path):
         _trace_summary().summarize(trace, {}, calls=1)
 
 
-DIRECTIONS = ("forward", "backward")
-
-
 def test_a_trace_attributes_device_time_to_each_layers_checks(tmp_path):
     """``--trace`` on a checked step: the checks' own instructions (under ``CHECK_SCOPE``) summed
-    per layer and direction; the plain step's instructions count for no check."""
+    per GEMM site; the plain step's instructions count for no check."""
     trace_summary = _trace_summary()
 
     class Net(nn.Module):
@@ -148,8 +145,9 @@ def test_a_trace_attributes_device_time_to_each_layers_checks(tmp_path):
     assert 0 < checked["check_ms_per_call"] <= checked["device_ms_per_call"]
     assert checked["check_kernels_per_call"] > 0
     groups = {c["check"] for c in checked["top_checks"]}
-    assert groups <= {f"{layer} ({d})" for layer in ("head", "mlp_in") for d in DIRECTIONS}
-    assert {"head (forward)", "head (backward)"} <= groups, groups
+    sites = {s.name for s in sdcguard.list_sites(grads, params)}
+    assert groups <= sites, groups - sites  # each GEMM's check by its site name
+    assert {"head:dot_general", "head:dot_general.grad_lhs"} <= groups, groups
 
 
 @pytest.mark.parametrize(
@@ -161,9 +159,18 @@ def test_a_trace_attributes_device_time_to_each_layers_checks(tmp_path):
         ),
         ("jit(step)/jvp(LM)/head/sdcguard_check/cond/branch_1_fun/abs", "head (forward)"),
         ("jit(f)/transpose(jvp(sdcguard_check))/add", "- (backward)"),
+        (
+            "jit(s)/transpose(jvp(LM))/block_0/attn/"
+            "sdcguard_check[block_0|attn|query:dot_general.grad_rhs]/abs",
+            "block_0/attn/query:dot_general.grad_rhs",
+        ),
+        (
+            "jit(s)/jvp(LM)/x/sdcguard_check[...hqk,...khd->...qhd]/reduce;jit(s)/x/add",
+            "...hqk,...khd->...qhd",
+        ),
         ("jit(step)/jvp(LM)/head/dot_general", None),
         ("", None),
     ],
 )
-def test_check_group_names_a_checks_layer_and_direction(op_name, group):
+def test_check_group_names_a_checks_site_or_layer_and_direction(op_name, group):
     assert _trace_summary().check_group(op_name) == group

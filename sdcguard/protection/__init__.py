@@ -33,6 +33,7 @@ from sdcguard.protection._checked import (
 from sdcguard.protection._checks import (
     CHECK_SCOPE as CHECK_SCOPE,
     check_contraction as check_contraction,
+    check_scope as check_scope,
 )
 from sdcguard.protection._checksums import line_checksums as line_checksums
 from sdcguard.protection._config import (
@@ -55,6 +56,7 @@ __all__ = [
     "SiteRecorder",
     "UncheckedAttentionWarning",
     "check_contraction",
+    "check_scope",
     "check_softmax_rows",
     "checked",
     "checked_dot_general",

@@ -31,6 +31,17 @@ from sdcguard.protection._tolerance import (
 CHECK_SCOPE = "sdcguard_check"
 
 
+def check_scope(site: str | None = None) -> str:
+    """The named scope of the check of ``site``: :data:`CHECK_SCOPE`, with the site in brackets
+    (its ``/`` written ``|``: op names keep ``/`` between scopes).
+
+    Example:
+      >>> check_scope("block_0/mlp_in:dot_general.grad_lhs")
+      'sdcguard_check[block_0|mlp_in:dot_general.grad_lhs]'
+    """
+    return CHECK_SCOPE if site is None else f"{CHECK_SCOPE}[{site.replace('/', '|')}]"
+
+
 def in_check_scope(fn):
     """``fn`` with the operations it emits under :data:`CHECK_SCOPE` (op-name metadata only)."""
 
@@ -42,7 +53,6 @@ def in_check_scope(fn):
     return scoped
 
 
-@in_check_scope
 def check_contraction(
     c: jax.Array,
     a: jax.Array,
@@ -52,6 +62,7 @@ def check_contraction(
     config: ABFTConfig,
     precision=None,
     lhs_nonnegative: bool = False,
+    site: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Verifies ``c == einsum(contraction, a, b)`` by its row checksums; repairs one row per matrix.
 
@@ -67,6 +78,8 @@ def check_contraction(
       config: thresholds (``safety``) and whether to correct (``correct``).
       precision: the precision of the GEMM (for the input-rounding term of the tolerance).
       lhs_nonnegative: ``a >= 0`` elementwise on clean data (see :func:`checked_einsum`).
+      site: the GEMM's site name, for the named scope the check runs under
+        (:func:`check_scope`); None: :data:`CHECK_SCOPE` alone.
 
     Returns:
       ``(c_checked, counts)``: ``c`` with a flagged row per matrix recomputed (unchanged when
@@ -77,14 +90,23 @@ def check_contraction(
       >>> ct = Contraction.parse("bmk,bkn->bmn", 3, 3)
       >>> c, counts = check_contraction(jnp.einsum(ct.spec, a, b), a, b, ct, config=ABFTConfig())
     """
+    with jax.named_scope(check_scope(site)):
+        return _check_contraction(
+            c, a, b, contraction, config=config, precision=precision,
+            lhs_nonnegative=lhs_nonnegative,
+        )  # fmt: skip
+
+
+def _check_contraction(c, a, b, contraction, *, config, precision, lhs_nonnegative):
     ct = contraction
     if not ct.out:
         # A dot of two vectors: one matrix of one element, as a batch of one.
         z = next(x for x in string.ascii_letters if x not in ct.lhs + ct.rhs)
         one = Contraction(z + ct.lhs, z + ct.rhs, z)
-        fixed, counts = check_contraction(
-            c[None], a[None], b[None], one, config=config, precision=precision
-        )
+        fixed, counts = _check_contraction(
+            c[None], a[None], b[None], one, config=config, precision=precision,
+            lhs_nonnegative=False,
+        )  # fmt: skip
         return fixed[0], counts
     rows = row_check(
         c, a, b, ct, safety=config.safety, precision=precision, lhs_nonnegative=lhs_nonnegative

@@ -189,6 +189,7 @@ def checked_gemm(
             config=config,
             precision=precision,
             lhs_nonnegative=lhs_nonnegative,
+            site=site,
         )
 
     return shard_local(local, a, b, plan, contraction, mesh=mesh)

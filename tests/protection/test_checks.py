@@ -15,7 +15,7 @@ import pytest
 import sdcguard
 from sdcguard.fault_model import Fault, FaultPlan
 from sdcguard.protection import ABFTConfig, _checksums, checked_einsum
-from sdcguard.protection._checks import recompute_strategy, repair_strategy
+from sdcguard.protection._checks import check_scope, recompute_strategy, repair_strategy
 
 from tests.helpers.tolerances import assert_close
 
@@ -205,6 +205,8 @@ def test_a_checks_operations_run_under_the_check_scope(dtype):
     names = set(re.findall(r'op_name="([^"]*)"', text))
     in_scope = {n for n in names if sdcguard.protection.CHECK_SCOPE in n}
     assert any(n.endswith("/reduce_max") or "/reduce" in n for n in in_scope), in_scope
+    (site,) = sdcguard.list_sites(_gemm_then_tanh, a, b)
+    assert all(check_scope(site.name) in n for n in in_scope), in_scope  # named by its site
     outside = names - in_scope
     assert any(n.endswith("dot_general") for n in outside), outside
     assert any(n.endswith("tanh") for n in outside), outside

@@ -380,7 +380,7 @@ def checked_matmul_reference(
         preferred_element_type=out_dtype or jnp.result_type(a.dtype, b.dtype),
     )
     c = inject.apply(c, plan, site)
-    c, counts = check_contraction(c, a, b, CANONICAL, config=config, precision=precision)
+    c, counts = check_contraction(c, a, b, CANONICAL, config=config, precision=precision, site=site)
     return (c[0] if squeeze else c), counts
 
 
