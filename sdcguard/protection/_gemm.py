@@ -157,7 +157,6 @@ def checked_gemm(
             config=config,
             site=site,
             plan=plan,
-            check=check,
             precision=precision,
             preferred_element_type=preferred_element_type,
             # Off a GPU the kernel's own tile check runs as jnp: the GPU interpreter takes
