@@ -267,19 +267,12 @@ def _static(
 ) -> _Static:
     """The static settings of one call (the kernel chosen for these operands)."""
     interpret = resolve_interpret(interpret)
+    choice = _choose_kernel(kernel, q, k, v, mask, block_sizes, interpret, causal=bool(causal))
     return _Static(
-        kernel=_choose_kernel(
-            kernel, q, k, v, mask, block_sizes, interpret, causal=bool(causal)
-        ).kernel,
-        causal=bool(causal),
-        sm_scale=float(sm_scale),
-        config=config,
-        path=path,
-        precision=precision,
-        block_sizes=block_sizes,
-        interpret=interpret,
+        kernel=choice.kernel, causal=bool(causal), sm_scale=float(sm_scale), config=config,
+        path=path, precision=precision, block_sizes=block_sizes, interpret=interpret,
         mask_shape=mask_shape,
-    )
+    )  # fmt: skip
 
 
 def _plan_for(plan: inject.FaultPlan | None, q) -> inject.FaultPlan | None:
