@@ -67,6 +67,10 @@ def test_mosaic_forward_and_gradients_equal_reference():
         _close_mosaic(g, r, dtype)
 
 
+# The kernel stops with an illegal memory access on an H200 with jax 0.11.2, so `auto` does not
+# run it there (FAILS_ON_GPU); until it runs on a GPU, its three costliest interpreted fault
+# tests (25-33 s each) run with -m slow, keeping the suite under 15 minutes on 2 cores.
+@pytest.mark.slow  # while FAILS_ON_GPU (see above)
 def test_mosaic_with_a_mask_equals_reference_forward_and_backward():
     """A per-batch key-padding mask (batch 1: the last 40 keys) and causal, bf16: values and
     gradients as the reference, no alarm."""
@@ -126,6 +130,7 @@ def test_mosaic_clean_runs_raise_no_alarm_across_magnitudes(dtype):
         _close_mosaic(out[i] / v_scale[i], ref[i].astype(jnp.float32) / v_scale[i], dtype)
 
 
+@pytest.mark.slow  # while FAILS_ON_GPU (see above)
 def test_mosaic_faults_in_several_tiles_are_corrected_or_counted():
     """INF, NaN, near-INF and exponent flips at tile corners and edges of several tiles:
     heads 0 and 1 get one or two faults per site, each in its own tile row: all corrected
@@ -190,6 +195,7 @@ def test_mosaic_counters_equal_the_xla_path(correct):
         assert counts.tolist()[0] == [2, 1, 0, 1]
 
 
+@pytest.mark.slow  # while FAILS_ON_GPU (see above)
 def test_mosaic_backward_faults_match_xla_counters():
     """One fault per backward GEMM site (NaN, INF, near-INF, a wrong value), at tile edges,
     causal: each detected and corrected in the Mosaic GPU backward kernels, counters equal to
