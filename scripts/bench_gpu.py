@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gzip
 import json
 import sys
 import time
@@ -169,9 +170,11 @@ def bench_lm(
     attribute=(),
     inject=("in place",),
     into: dict | None = None,
+    hlo_dir: Path | None = None,
 ) -> dict:
     """The step's variants timed; ``into`` is filled as each part is measured (a run cut short
-    keeps what it measured)."""
+    keeps what it measured). ``hlo_dir``: each variant's optimized HLO is written there, gzipped
+    (``<dtype>_<variant>.hlo.txt.gz``, each non-alphanumeric character an underscore: the kernels XLA fused, to read without a GPU)."""
     result = {} if into is None else into
     step, args = lm_step(size, dtype)
     defaults = FP32_VARIANTS if dtype == jnp.float32 else BF16_VARIANTS
@@ -186,6 +189,8 @@ def bench_lm(
         fn = step if config is None else sdcguard.checked(step, config)
         fns[name], compile_s[name], hlo[name] = compiled(fn, args, COMPILE_OPTIONS.get(name))
         print(f"{jnp.dtype(dtype).name} {name}: compiled in {compile_s[name]:.1f} s", flush=True)
+        if hlo_dir is not None:
+            _write_hlo(hlo_dir, f"{jnp.dtype(dtype).name} {name}", hlo[name])
     alarms = {}
     for name in names:
         out = jax.block_until_ready(fns[name]())
@@ -212,6 +217,8 @@ def bench_lm(
             config = VARIANTS[name]
             fn = step if config is None else sdcguard.checked(step, config)
             run, _, text = compiled(fn, args, NO_GRAPHS)
+            if hlo_dir is not None:
+                _write_hlo(hlo_dir, f"{jnp.dtype(dtype).name} {name} no graphs", text)
             jax.block_until_ready(run())
             where = _where(trace_dir, dtype, name + " no graphs")
             traces[name + ", command buffers off"] = trace_summary.profile(run, text, where)
@@ -225,6 +232,13 @@ def bench_lm(
         for name in (n for n in inject if n in names):
             faults[name] = corrected_faults(step, args, sites, VARIANTS[name])
     return result
+
+
+def _write_hlo(folder: Path, name: str, text: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    file = "".join(c if c.isalnum() else "_" for c in name)
+    with gzip.open(folder / f"{file}.hlo.txt.gz", "wt") as f:
+        f.write(text)
 
 
 def _print_trace(dtype, name: str, trace: dict) -> None:
@@ -348,6 +362,13 @@ def main() -> int:
         help="also trace two steps of each variant into this folder and print where the "
         "device time goes (kernels, launches, the costliest HLO instructions)",
     )
+    parser.add_argument(
+        "--hlo",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write each compiled variant's optimized HLO into DIR (gzipped text)",
+    )
     args = parser.parse_args()
     console = Console(width=max(Console().width, 140))
     device = jax.devices()[0]
@@ -370,6 +391,7 @@ def main() -> int:
                 args.trace,
                 args.attribute,
                 args.inject,
+                hlo_dir=args.hlo,
             ),
         )
         for d in args.dtypes
