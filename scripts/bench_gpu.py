@@ -174,7 +174,8 @@ def bench_lm(
 ) -> dict:
     """The step's variants timed; ``into`` is filled as each part is measured (a run cut short
     keeps what it measured). ``hlo_dir``: each variant's optimized HLO is written there, gzipped
-    (``<dtype>_<variant>.hlo.txt.gz``, each non-alphanumeric character an underscore: the kernels XLA fused, to read without a GPU)."""
+    (``<dtype>_<variant>.hlo.txt.gz``, each non-alphanumeric character an underscore): the
+    kernels XLA fused, to read without a GPU."""
     result = {} if into is None else into
     step, args = lm_step(size, dtype)
     defaults = FP32_VARIANTS if dtype == jnp.float32 else BF16_VARIANTS
