@@ -61,6 +61,8 @@ VARIANTS = {
     "in place": ABFTConfig(),
     "in place, branch-free": ABFTConfig(repair="branch_free"),
     "in place, cond": ABFTConfig(repair="cond"),
+    # A cond per GEMM, not per group of GEMMs that nothing reads between (the default).
+    "in place, a cond per GEMM": ABFTConfig(group_repairs=False),
     "in place, while": ABFTConfig(repair="while"),
     "recompute": ABFTConfig(recompute=True),
     "recompute, while": ABFTConfig(recompute=True, repair="while"),
@@ -171,11 +173,13 @@ def bench_lm(
     inject=("in place",),
     into: dict | None = None,
     hlo_dir: Path | None = None,
+    trace_top: int = 12,
 ) -> dict:
     """The step's variants timed; ``into`` is filled as each part is measured (a run cut short
     keeps what it measured). ``hlo_dir``: each variant's optimized HLO is written there, gzipped
     (``<dtype>_<variant>.hlo.txt.gz``, each non-alphanumeric character an underscore): the
-    kernels XLA fused, to read without a GPU."""
+    kernels XLA fused, to read without a GPU. ``trace_top``: how many instructions and checks
+    each profile keeps, costliest first."""
     result = {} if into is None else into
     step, args = lm_step(size, dtype)
     defaults = FP32_VARIANTS if dtype == jnp.float32 else BF16_VARIANTS
@@ -211,7 +215,7 @@ def bench_lm(
     if trace_dir is not None:
         for name in names:  # as timed: how many kernels, graph launches and host syncs
             traces[name] = trace_summary.profile(
-                fns[name], hlo[name], _where(trace_dir, dtype, name)
+                fns[name], hlo[name], _where(trace_dir, dtype, name), top=trace_top
             )
             _print_trace(dtype, name, traces[name])
         for name in (n for n in attribute if n in names):  # command buffers off: per instruction
@@ -222,7 +226,9 @@ def bench_lm(
                 _write_hlo(hlo_dir, f"{jnp.dtype(dtype).name} {name} no graphs", text)
             jax.block_until_ready(run())
             where = _where(trace_dir, dtype, name + " no graphs")
-            traces[name + ", command buffers off"] = trace_summary.profile(run, text, where)
+            traces[name + ", command buffers off"] = trace_summary.profile(
+                run, text, where, top=trace_top
+            )
             _print_trace(
                 dtype, name + ", command buffers off", traces[name + ", command buffers off"]
             )
@@ -314,7 +320,7 @@ def _trace_table(title: str, trace: dict) -> Table:
     )
     for col in ("HLO instruction", "ms per step", "runs", "op_name"):
         table.add_column(col)
-    for op in trace["top"]:
+    for op in trace["top"][:12]:  # the JSON keeps all --trace-top of them
         table.add_row(
             op["hlo_op"],
             f"{op['ms_per_call']:.3f}",
@@ -370,6 +376,13 @@ def main() -> int:
         metavar="DIR",
         help="write each compiled variant's optimized HLO into DIR (gzipped text)",
     )
+    parser.add_argument(
+        "--trace-top",
+        type=int,
+        default=12,
+        metavar="N",
+        help="with --trace: the N costliest instructions and checks kept per profile",
+    )
     args = parser.parse_args()
     console = Console(width=max(Console().width, 140))
     device = jax.devices()[0]
@@ -393,6 +406,7 @@ def main() -> int:
                 args.attribute,
                 args.inject,
                 hlo_dir=args.hlo,
+                trace_top=args.trace_top,
             ),
         )
         for d in args.dtypes

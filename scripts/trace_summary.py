@@ -63,15 +63,18 @@ def op_names(hlo_text: str) -> dict[str, str]:
     return names
 
 
-def profile(fn: Callable[[], object], hlo_text: str, trace_dir: Path, *, calls: int = 2) -> dict:
-    """Traces ``calls`` calls of ``fn`` (already compiled and run once) and summarizes them."""
+def profile(
+    fn: Callable[[], object], hlo_text: str, trace_dir: Path, *, calls: int = 2, top: int = 12
+) -> dict:
+    """Traces ``calls`` calls of ``fn`` (already compiled and run once) and summarizes them
+    (:func:`summarize`: the ``top`` instructions and checks by device time)."""
     trace_dir.mkdir(parents=True, exist_ok=True)
     before = set(trace_dir.rglob("perfetto_trace.json.gz"))
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         for _ in range(calls):
             jax.block_until_ready(fn())
     (trace,) = set(trace_dir.rglob("perfetto_trace.json.gz")) - before
-    return summarize(trace, op_names(hlo_text), calls=calls)
+    return summarize(trace, op_names(hlo_text), calls=calls, top=top)
 
 
 def summarize(trace: Path, names: dict[str, str], *, calls: int, top: int = 12) -> dict:

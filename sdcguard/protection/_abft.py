@@ -21,7 +21,13 @@ from sdcguard._jax_compat import varying_axes
 from sdcguard.fault_model import FaultPlan, active_plan
 from sdcguard.protection._config import ABFTConfig, zero_counts, zero_sink
 from sdcguard.protection._contraction import Contraction, axes_of
-from sdcguard.protection._gemm import checked_gemm, dot
+from sdcguard.protection._gemm import (
+    GemmJob,
+    checked_gemm,
+    checked_gemm_group,
+    dot,
+    groups_checks,
+)
 from sdcguard.protection._sharding import device_mesh, has_explicit_axes, sum_rows
 from sdcguard.protection._softmax import no_tangent
 
@@ -81,10 +87,25 @@ def _checked_bwd(st, residuals, cotangents):
     # The correction is an identity for autodiff: the gradients are those of the clean einsum,
     # and the two gradient GEMMs are checked (and injected into) like any other.
     # dA = g·Bᵀ has g on the left; dB = Aᵀ·g keeps A on the left, non-negative or not.
-    ga, counts_a = _gemm(st, ct.grad_lhs(), g, b, plan, st.site + ".grad_lhs", check, False)
-    gb, counts_b = _gemm(
-        st, ct.grad_rhs(), a, g, plan, st.site + ".grad_rhs", check, st.lhs_nonnegative
-    )
+    lhs_site, rhs_site = st.site + ".grad_lhs", st.site + ".grad_rhs"
+    if check and groups_checks(st.config, a, b, g):
+        # One repair decision for the two: on a GPU, one conditional node of the step's graph.
+        lhs, rhs = ct.grad_lhs().in_dot_order(), ct.grad_rhs().in_dot_order()
+        (ga, counts_a), (gb, counts_b) = checked_gemm_group(
+            [
+                GemmJob(g, b, lhs, lhs_site),
+                GemmJob(a, g, rhs, rhs_site, lhs_nonnegative=st.lhs_nonnegative),
+            ],
+            config=st.config,
+            plan=plan,
+            precision=st.precision,
+            preferred_element_type=st.preferred_element_type,
+        )
+        ga = jnp.transpose(ga, axes_of(lhs.out, ct.grad_lhs().out))
+        gb = jnp.transpose(gb, axes_of(rhs.out, ct.grad_rhs().out))
+    else:
+        ga, counts_a = _gemm(st, ct.grad_lhs(), g, b, plan, lhs_site, check, False)
+        gb, counts_b = _gemm(st, ct.grad_rhs(), a, g, plan, rhs_site, check, st.lhs_nonnegative)
     sink_cotangent = jnp.stack([counts_a, counts_b]).astype(jnp.float32)
     return ga.astype(a.dtype), gb.astype(b.dtype), None, sink_cotangent
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import math
 import string
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +55,24 @@ def in_check_scope(fn):
     return scoped
 
 
+class Verdict(NamedTuple):
+    """A contraction's check before its repair is applied: what the step does next.
+
+    Attributes:
+      flagged: bool scalar, whether any row of the output failed its check.
+      repair: ``c -> (c_repaired, counts)``: the flagged row of each matrix recomputed (a clean
+        ``c`` comes back unchanged, with zero counts).
+      clean: ``c -> (c, counts)``: ``c`` as it is, with the counts of the check alone (what a
+        detection-only check reports).
+      site: the GEMM's site name: what its repair runs under is named by it (:func:`check_scope`).
+    """
+
+    flagged: jax.Array
+    repair: Callable
+    clean: Callable
+    site: str | None = None
+
+
 def check_contraction(
     c: jax.Array,
     a: jax.Array,
@@ -67,15 +87,15 @@ def check_contraction(
     """Verifies ``c == einsum(contraction, a, b)`` by its row checksums; repairs one row per matrix.
 
     The flagged row of each matrix is computed again from its row of ``a`` and all of ``b`` and
-    written over it, branch-free; it counts as corrected only if it then passes its check. A
-    matrix with more than one flagged row is ``uncorrectable``, one whose inputs define a
-    non-finite row ``nonfinite_input``; both are left as they are (docs/abft.md, "Checks").
+    written over it; it counts as corrected only if it then passes its check. A matrix with more
+    than one flagged row is ``uncorrectable``, one whose inputs define a non-finite row
+    ``nonfinite_input``; both are left as they are (docs/abft.md, "Checks").
 
     Args:
       c: the computed output (possibly corrupted), letters ``contraction.out``.
       a, b: the inputs, letters ``contraction.lhs`` / ``contraction.rhs``.
       contraction: the parsed einsum.
-      config: thresholds (``safety``) and whether to correct (``correct``).
+      config: thresholds (``safety``), whether to correct (``correct``) and how (``repair``).
       precision: the precision of the GEMM (for the input-rounding term of the tolerance).
       lhs_nonnegative: ``a >= 0`` elementwise on clean data (see :func:`checked_einsum`).
       site: the GEMM's site name, for the named scope the check runs under
@@ -91,23 +111,102 @@ def check_contraction(
       >>> c, counts = check_contraction(jnp.einsum(ct.spec, a, b), a, b, ct, config=ABFTConfig())
     """
     with jax.named_scope(check_scope(site)):
-        return _check_contraction(
+        verdict = contraction_verdict(
             c, a, b, contraction, config=config, precision=precision,
             lhs_nonnegative=lhs_nonnegative,
         )  # fmt: skip
+    return apply_verdicts([verdict._replace(site=site)], [c], config)[0]
 
 
-def _check_contraction(c, a, b, contraction, *, config, precision, lhs_nonnegative):
+def apply_verdicts(
+    verdicts: Sequence[Verdict], outputs: Sequence[jax.Array], config: ABFTConfig
+) -> list[tuple[jax.Array, jax.Array]]:
+    """Each output repaired or passed on by its verdict, with one repair decision for them all.
+
+    Under ``repair="cond"`` the group shares one ``lax.cond`` (unless ``config.group_repairs``
+    is False): when any of them flagged, every one is repaired (a clean one comes back
+    unchanged), else none is. On a GPU a cond is one conditional node of the step's CUDA
+    graph, so GEMMs checked as a group cost one node, not one each (docs/performance.md,
+    "Repair strategies").
+
+    Args:
+      verdicts: from :func:`contraction_verdict`, one per output.
+      outputs: the checked tensors, in the same order.
+      config: ``correct`` and ``repair``.
+
+    Returns:
+      ``[(c_checked, counts)]`` in the order of ``outputs``.
+    """
+    pairs = list(zip(verdicts, outputs, strict=True))
+
+    def each(fn_of, cs):
+        out = []
+        for v, c in zip(verdicts, cs, strict=True):
+            with jax.named_scope(check_scope(v.site)):
+                out.append(fn_of(v)(c))
+        return tuple(out)
+
+    if not config.correct:
+        return list(each(lambda v: v.clean, outputs))
+    strategy = repair_strategy(config)
+    if strategy == "branch_free":
+        return list(each(lambda v: v.repair, outputs))
+    if strategy == "while":
+        return list(each(lambda v: functools.partial(repair_if, v.flagged, v.repair), outputs))
+    if len(pairs) > 1 and not config.group_repairs:
+        return [apply_verdicts([v], [c], config)[0] for v, c in pairs]
+    anything = functools.reduce(jnp.logical_or, [v.flagged for v in verdicts])
+    sites = {v.site for v in verdicts}
+    with jax.named_scope(check_scope(sites.pop() if len(sites) == 1 else None)):
+        return list(
+            lax.cond(
+                anything,
+                lambda cs: each(lambda v: v.repair, cs),
+                lambda cs: each(lambda v: v.clean, cs),
+                tuple(outputs),
+            )
+        )
+
+
+def contraction_verdict(
+    c: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    contraction: Contraction,
+    *,
+    config: ABFTConfig,
+    precision=None,
+    lhs_nonnegative: bool = False,
+) -> Verdict:
+    """The row checks of ``c = einsum(contraction, a, b)``, as a :class:`Verdict`.
+
+    Arguments as for :func:`check_contraction`; the caller applies the verdict
+    (:func:`apply_verdicts`).
+    """
     ct = contraction
     if not ct.out:
         # A dot of two vectors: one matrix of one element, as a batch of one.
         z = next(x for x in string.ascii_letters if x not in ct.lhs + ct.rhs)
         one = Contraction(z + ct.lhs, z + ct.rhs, z)
-        fixed, counts = _check_contraction(
+        inner = contraction_verdict(
             c[None], a[None], b[None], one, config=config, precision=precision,
             lhs_nonnegative=False,
         )  # fmt: skip
-        return fixed[0], counts
+
+        def unbatched(fn):
+            def apply(c):
+                fixed, counts = fn(c[None])
+                return fixed[0], counts
+
+            return apply
+
+        return Verdict(inner.flagged, unbatched(inner.repair), unbatched(inner.clean))
+    return _row_verdict(
+        c, a, b, ct, config=config, precision=precision, lhs_nonnegative=lhs_nonnegative
+    )
+
+
+def _row_verdict(c, a, b, ct: Contraction, *, config, precision, lhs_nonnegative) -> Verdict:
     rows = row_check(
         c, a, b, ct, safety=config.safety, precision=precision, lhs_nonnegative=lhs_nonnegative
     )
@@ -131,9 +230,18 @@ def _check_contraction(c, a, b, contraction, *, config, precision, lhs_nonnegati
     if config.correct:
         terms["flagged"] = ("sum", bad.astype(jnp.int32))
     reduced = reduce_together(terms, (len(ct.batch),))
+
+    def clean(c):
+        # The counts of the check alone, from its own data: inside shard_map both branches of a
+        # cond are typed alike.
+        detected, upstream = reduced["detected"], reduced["upstream"]
+        return c, count_outcomes(jnp.sum(detected), 0, jnp.sum(upstream))
+
+    detected = reduced["detected"]
+    flagged = detected if detected.ndim == 0 else jnp.any(detected)
     if not config.correct:
         # Detection only: C is passed on as it is.
-        return c, count_outcomes(jnp.sum(reduced["detected"]), 0, jnp.sum(reduced["upstream"]))
+        return Verdict(flagged, clean, clean)
 
     def repair(c):
         """``c`` with the flagged row of each matrix recomputed, and the counters."""
@@ -203,20 +311,7 @@ def _check_contraction(c, a, b, contraction, *, config, precision, lhs_nonnegati
             jnp.sum(detected), jnp.sum(fix), jnp.sum(doomed)
         )
 
-    strategy = repair_strategy(config)
-    if strategy == "branch_free":
-        return repair(c)
-    detected = reduced["detected"]
-    anything = detected if detected.ndim == 0 else jnp.any(detected)
-    if strategy == "cond":
-
-        def clean(c):
-            # Zero, from the check's own data: inside shard_map both branches are typed alike.
-            detected, upstream = reduced["detected"], reduced["upstream"]
-            return c, count_outcomes(jnp.sum(detected), 0, jnp.sum(upstream))
-
-        return lax.cond(anything, repair, clean, c)
-    return repair_if(anything, repair, c)
+    return Verdict(flagged, repair, clean)
 
 
 # What ``repair="auto"`` compiles, as measured (docs/performance.md, "Repair strategies"): a

@@ -34,6 +34,11 @@ class ABFTConfig:
         when its check fired), ``'while'`` (a loop of zero or one trips per GEMM), or
         ``'auto'``: ``'cond'``, measured fastest on an H200 and on the CPU
         (docs/performance.md, "Repair strategies").
+      group_repairs: with ``repair='cond'``, GEMMs whose outputs nothing reads in between (a
+        layer's two gradient GEMMs, in :func:`sdcguard.checked` any run of such GEMMs) share
+        one ``lax.cond``: when any of them flagged, each is repaired (a clean one comes back
+        unchanged). On a GPU each cond is a conditional node of the step's CUDA graph, with a
+        cost of its own on every step. False: one cond per GEMM.
       safety: multiplier on the round-off bound (1.0 is already a worst-case bound).
       near_inf: magnitude at and above which a value in a flagged line is located directly
         (the Pallas kernels, which locate single errors within a tile).
@@ -71,6 +76,7 @@ class ABFTConfig:
     backward: bool = True
     correct: bool = True
     repair: str = "auto"
+    group_repairs: bool = True
     safety: float = 1.0
     near_inf: float = NEAR_INF
     implementation: str = "auto"
@@ -101,6 +107,8 @@ class ABFTConfig:
             )
         if self.repair not in REPAIRS:
             raise ValueError(f"repair must be one of {REPAIRS}, got {self.repair!r}")
+        if not isinstance(self.group_repairs, bool):
+            raise TypeError(f"group_repairs must be True or False, got {self.group_repairs!r}")
         if not self.safety >= 1.0:
             raise ValueError(
                 f"safety={self.safety} would put the threshold below the round-off bound and "

@@ -11,12 +11,22 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
+from sdcguard import fault_model
 from sdcguard.fault_model import FaultPlan
 from sdcguard.protection._backend import sums_low_precision_in_float32
-from sdcguard.protection._checks import check_contraction
+from sdcguard.protection._checks import (
+    Verdict,
+    apply_verdicts,
+    check_contraction,
+    check_scope,
+    contraction_verdict,
+)
 from sdcguard.protection._config import ABFTConfig, zero_counts
 from sdcguard.protection._contraction import Contraction
 from sdcguard.protection._sharding import device_mesh, shard_local
@@ -192,3 +202,79 @@ def checked_gemm(
         )
 
     return shard_local(local, a, b, plan, contraction, mesh=mesh)
+
+
+class GemmJob(NamedTuple):
+    """One GEMM of a :func:`checked_gemm_group`: arguments as for :func:`checked_gemm`."""
+
+    a: jax.Array
+    b: jax.Array
+    contraction: Contraction  # output in dot order
+    site: str
+    lhs_nonnegative: bool = False
+    site_axes: tuple[int, ...] | None = None
+
+
+def groups_checks(config: ABFTConfig, *operands: jax.Array) -> bool:
+    """Whether GEMMs of these operands can share one repair decision (:func:`checked_gemm_group`):
+    checked on the XLA path, on one device (no mesh to shard over)."""
+    return implementation_for(config) == "xla" and device_mesh(*operands) is None
+
+
+def gemm_verdict(
+    job: GemmJob,
+    *,
+    config: ABFTConfig,
+    plan: FaultPlan | None = None,
+    precision=None,
+    preferred_element_type=None,
+) -> tuple[jax.Array, Verdict]:
+    """``C`` computed and injected into as :func:`checked_gemm` does, and its check's verdict,
+    not yet applied (:func:`apply_verdicts` applies the verdicts of a group together).
+
+    Only for GEMMs that :func:`groups_checks` accepts.
+    """
+    a, b = as_stored(job.a), as_stored(job.b)
+    ct = job.contraction
+    c = dot(
+        ct,
+        a,
+        b,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        float32_accumulation=True,
+    )
+    axes = tuple(range(len(ct.out))) if job.site_axes is None else job.site_axes
+    c = fault_model.apply(c, plan, job.site, axes=axes)
+    with jax.named_scope(check_scope(job.site)):
+        verdict = contraction_verdict(
+            c, a, b, ct, config=config, precision=precision,
+            lhs_nonnegative=job.lhs_nonnegative,
+        )  # fmt: skip
+    return c, verdict._replace(site=job.site)
+
+
+def checked_gemm_group(
+    jobs: Sequence[GemmJob],
+    *,
+    config: ABFTConfig,
+    plan: FaultPlan | None = None,
+    precision=None,
+    preferred_element_type=None,
+) -> list[tuple[jax.Array, jax.Array]]:
+    """GEMMs computed, injected into and checked as :func:`checked_gemm` does, with one repair
+    decision for the group (:func:`apply_verdicts`: one cond where the config repairs by cond).
+
+    Only for GEMMs that :func:`groups_checks` accepts.
+
+    Returns:
+      ``[(c, counts)]``, one per job, as :func:`checked_gemm` returns them.
+
+    Example:
+      >>> (da, ca), (db, cb) = checked_gemm_group(
+      ...     [GemmJob(g, b, ct.grad_lhs().in_dot_order(), "s.grad_lhs"),
+      ...      GemmJob(a, g, ct.grad_rhs().in_dot_order(), "s.grad_rhs")], config=ABFTConfig())
+    """
+    settings = dict(precision=precision, preferred_element_type=preferred_element_type)
+    checked = [gemm_verdict(job, config=config, plan=plan, **settings) for job in jobs]
+    return apply_verdicts([v for _, v in checked], [c for c, _ in checked], config)

@@ -25,9 +25,10 @@ from jax.extend import core as jex_core
 from sdcguard import fault_model as inject
 from sdcguard._jax_compat import scan_consts_and_carry, varying_axes
 from sdcguard.protection import _fused_attention as fused_attention, _sharding as sharding
+from sdcguard.protection._checks import Verdict, apply_verdicts, repair_strategy
 from sdcguard.protection._config import ABFTConfig, zero_counts
 from sdcguard.protection._contraction import Contraction
-from sdcguard.protection._gemm import checked_gemm
+from sdcguard.protection._gemm import GemmJob, checked_gemm, gemm_verdict, groups_checks
 from sdcguard.protection._select import OPENED_PRIMITIVES, SiteTable, checkable_dtype
 from sdcguard.protection._trace import Traced
 from sdcguard.protection._walk import Gemm, collect_gemms, is_fused_attention
@@ -43,6 +44,15 @@ def varying(x: jax.Array, axes: frozenset) -> jax.Array:
     """
     missing = tuple(sorted(axes - varying_axes(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+class _Deferred(NamedTuple):
+    """A checked GEMM whose repair waits for its group (:meth:`Evaluator.run`)."""
+
+    outvar: Any
+    site: str
+    out: jax.Array
+    verdict: Verdict
 
 
 def _add(total: dict, more: dict) -> dict:
@@ -129,18 +139,98 @@ class Evaluator:
         for v, x in zip(jaxpr.invars, args, strict=True):
             write(v, x)
         counts: dict = {}
-        for eqn in jaxpr.eqns:
+        # Where checked GEMMs share repair decisions (:meth:`_groups`), a checked GEMM's repair
+        # waits in ``pending``, and every equation that reads its output, directly or not,
+        # waits in ``postponed``, while the equations that do not go on: among them the GEMMs
+        # that form one group with it (a layer's two gradient GEMMs; query, key and value).
+        # The group's verdicts are applied together when a checked GEMM or an equation with
+        # effects needs what waits, and at the end. XLA schedules by dataflow, not by this order.
+        pending: list[_Deferred] = []
+        postponed: list = []
+        waiting: set = set()  # the variables pending and postponed equations write
+
+        def evaluate(eqn):
+            nonlocal counts
             invals = [read(v) for v in eqn.invars]
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             place = source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
             with place, eqn.ctx.manager:
+                deferred = self._deferred_gemm(eqn, invals)
+                if deferred is not None:
+                    pending.append(deferred)
+                    waiting.add(deferred.outvar)
+                    return
                 outs, eqn_counts = self.eqn(eqn, invals)
             counts = _add(counts, eqn_counts)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
             for v, x in zip(eqn.outvars, outs, strict=True):
                 write(v, x)
+
+        def release():
+            nonlocal counts
+            if pending:
+                verdicts = [p.verdict for p in pending]
+                results = apply_verdicts(verdicts, [p.out for p in pending], self.config)
+                for p, (out, site_counts) in zip(pending, results, strict=True):
+                    write(p.outvar, out.astype(p.outvar.aval.dtype))
+                    counts = _add(counts, {p.site: site_counts})
+            waits = list(postponed)
+            pending.clear()
+            postponed.clear()
+            waiting.clear()
+            for eqn in waits:
+                evaluate(eqn)
+
+        for eqn in jaxpr.eqns:
+            if waiting or pending:
+                reads_waiting = any(
+                    not isinstance(v, jex_core.Literal) and v in waiting for v in eqn.invars
+                )
+                if eqn.effects or (reads_waiting and self._may_defer(eqn)):
+                    release()
+                elif reads_waiting:
+                    postponed.append(eqn)
+                    waiting.update(eqn.outvars)
+                    continue
+            evaluate(eqn)
+        release()
         return [read(v) for v in jaxpr.outvars], counts
+
+    def _groups(self) -> bool:
+        """Whether checked GEMMs here share repair decisions (:meth:`_deferred_gemm`)."""
+        config = self.config
+        return (
+            config.correct
+            and config.group_repairs
+            and repair_strategy(config) == "cond"
+            and not self.sharded
+        )
+
+    def _may_defer(self, eqn) -> bool:
+        """Whether ``eqn`` is a GEMM whose check may join a group (before its operands are seen)."""
+        return self._groups() and eqn.primitive.name == "dot_general" and not self.why[id(eqn)]
+
+    def _deferred_gemm(self, eqn, invals) -> _Deferred | None:
+        """A checked dot_general computed and checked with its repair left for later, where
+        its repair can share a decision with others (:func:`groups_checks`), else None."""
+        if eqn.primitive.name != "dot_general" or is_fused_attention(eqn):
+            return None
+        config = self.config
+        lhs, rhs = invals
+        if not self._groups() or self.why[id(eqn)] or not groups_checks(config, lhs, rhs):
+            return None
+        name, _ = self.names[id(eqn)]
+        params = eqn.primitive.get_bind_params(eqn.params)
+        contraction = Contraction.from_dot_general(lhs.ndim, rhs.ndim, params["dimension_numbers"])
+        out, verdict = gemm_verdict(
+            GemmJob(lhs, rhs, contraction, name),
+            config=config,
+            plan=inject.active_plan(like=lhs),
+            precision=params.get("precision"),
+            preferred_element_type=params.get("preferred_element_type"),
+        )
+        return _Deferred(eqn.outvars[0], name, out, verdict)
 
     def eqn(self, eqn, invals):
         if is_fused_attention(eqn):
