@@ -129,6 +129,7 @@ WHOLE_STEP_VARIANTS = {
     "every GEMM, in place": ABFTConfig(),
     "every GEMM, in place, branch-free": ABFTConfig(repair="branch_free"),
     "every GEMM, in place, cond": ABFTConfig(repair="cond"),
+    "every GEMM, in place, a cond per GEMM": ABFTConfig(group_repairs=False),
     "every GEMM, detect only": ABFTConfig(correct=False),
     "every GEMM, recompute on detection": ABFTConfig(recompute=True),
     "every GEMM, recompute on detection, cond": ABFTConfig(recompute=True, repair="cond"),
@@ -151,6 +152,7 @@ DROP_IN_VARIANTS = {
     "drop-in attention (linen.protect), in place": ABFTConfig(),
     "drop-in attention (linen.protect), in place, branch-free": ABFTConfig(repair="branch_free"),
     "drop-in attention (linen.protect), in place, cond": ABFTConfig(repair="cond"),
+    "drop-in attention (linen.protect), in place, a cond per GEMM": ABFTConfig(group_repairs=False),
     "drop-in attention (linen.protect), detect only": ABFTConfig(correct=False),
 }
 
