@@ -1,0 +1,93 @@
+"""``scripts/gpu_compile_offline.py``: the kernels of each check, counted in an HLO module.
+
+The parser is tested on a module written here; the deviceless compile for an H200 runs where
+JAX's CUDA plugin is installed (it needs no GPU), in a subprocess that can set the variable
+the plugin's version check needs.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+import gpu_compile_offline
+
+SCRIPT = Path(__file__).parent.parent / "scripts" / "gpu_compile_offline.py"
+
+CHECK = "jit(step)/a/b/sdcguard_check[a|b:dot_general"
+
+
+def _meta(op_name: str) -> str:
+    return f'metadata={{op_name="{op_name}"}}'
+
+
+MODULE = "\n".join(
+    [
+        "HloModule jit_step",
+        "",
+        "%fused_reduce (p: f32[8]) -> f32[] {",
+        "  %p = f32[8]{0} parameter(0)",
+        f"  ROOT %r = f32[] reduce(%p), dimensions={{0}}, {_meta(CHECK + ']/reduce')}",
+        "}",
+        "",
+        "ENTRY %main (x: f32[8,8], w: f32[8,8]) -> (f32[8,8], s32[4]) {",
+        f"  %x = f32[8,8]{{1,0}} parameter(0), {_meta('x')}",
+        "  %w = f32[8,8]{1,0} parameter(1)",
+        "  %custom-call.1 = f32[8,8]{1,0} custom-call(%x, %w), "
+        f'custom_call_target="__cublas$gemm", {_meta("jit(step)/a/b/dot_general")}',
+        "  %input_reduce_fusion.2 = (f32[8]{0}, f32[8]{0}) fusion(%custom-call.1), "
+        f"kind=kInput, calls=%fused_reduce, {_meta(CHECK + ']/reduce')}",
+        "  %get-tuple-element.3 = f32[8]{0} get-tuple-element(%input_reduce_fusion.2), "
+        f"index=0, {_meta(CHECK + ']/reduce')}",
+        "  %loop_not_fusion = pred[8]{0} fusion(%get-tuple-element.3), kind=kLoop, "
+        f"calls=%fused_reduce, {_meta(CHECK + '.grad_lhs]/not')}",
+        "  %conditional.4 = s32[4]{0} conditional(%loop_not_fusion), "
+        f"branch_computations={{%fused_reduce}}, {_meta('jit(step)/sdcguard_check/cond')}",
+        "  ROOT %tuple.5 = (f32[8,8]{1,0}, s32[4]{0}) tuple(%custom-call.1, %conditional.4)",
+        "}",
+        "",
+    ]
+)
+
+
+def test_each_kernel_is_counted_under_its_check():
+    kernels = gpu_compile_offline.kernels(MODULE)
+    assert [k["name"] for k in kernels] == [
+        "custom-call.1",
+        "input_reduce_fusion.2",
+        "loop_not_fusion",
+        "conditional.4",
+    ]
+    inv = gpu_compile_offline.inventory(MODULE)
+    assert inv["kernels"] == 4
+    assert inv["check_kernels"] == 2  # the GEMM is the step's; the bare-scope cond no site's
+    assert inv["per_site"] == {"a|b:dot_general": 1, "a|b:dot_general.grad_lhs": 1}
+    assert inv["per_kind"] == {"input_reduce_fusion": 1, "loop_not_fusion": 1}
+
+
+def _has_cuda_plugin() -> bool:
+    return importlib.util.find_spec("jax_plugins") is not None and (
+        importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+    )
+
+
+@pytest.mark.skipif(
+    not _has_cuda_plugin(),
+    reason="needs JAX's CUDA plugin (pip install 'jax[cuda13]'); no GPU needed",
+)
+def test_the_checked_step_compiles_for_an_h200_without_one(tmp_path):
+    out = tmp_path / "inventory.json"
+    env = {**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), str(SCRIPT.parent)])
+    command = [sys.executable, str(SCRIPT), "--size", "tiny", "--out", str(out)]
+    subprocess.run([*command, "--variants", "plain", "detect only"], check=True, env=env)
+    inv = json.loads(out.read_text())
+    assert inv["plain"]["check_kernels"] == 0
+    detect = inv["detect only"]
+    assert detect["sites"] > 0 and detect["check_kernels"] >= detect["sites"]
+    assert detect["kernels"] > inv["plain"]["kernels"]
