@@ -30,8 +30,9 @@ class ABFTConfig:
         for an update guard to refuse the step) and no repair is compiled, so nothing
         downstream waits on a check.
       repair: how the XLA path compiles the in-place repair: ``'branch_free'`` (computed on
-        every call, no control flow), ``'cond'`` (a ``lax.cond`` per GEMM: the repair runs only
-        when its check fired), ``'while'`` (a loop of zero or one trips per GEMM), or
+        every call, no control flow), ``'cond'`` (a ``lax.cond``, per group of GEMMs with
+        ``group_repairs``: the repair runs only when a check fired), ``'while'`` (a loop of
+        zero or one trips per GEMM), or
         ``'auto'``: ``'cond'``, measured fastest on an H200 and on the CPU
         (docs/performance.md, "Repair strategies").
       group_repairs: with ``repair='cond'``, GEMMs whose outputs nothing reads in between (a
