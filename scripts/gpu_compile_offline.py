@@ -103,6 +103,32 @@ def inventory(hlo: str) -> dict:
     }
 
 
+def after_pass_inventory(device, m: int, k: int, n: int) -> dict:
+    """The kernels of the Mosaic checked GEMM's pass after the kernel (``verify.pass_after``)
+    for ``[1, m, k] x [1, k, n]`` bf16, per kind. ``C`` is donated, as the kernel's output is
+    in a step (else XLA copies it before writing the recomputed elements)."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from sdcguard.protection.pallas import matmul_mgpu, verify
+
+    bs = matmul_mgpu.BlockSizes()
+    status_shape = (1, n // bs.tile_n, 2, m)
+    args = (
+        jnp.zeros((1, m, k), jnp.bfloat16),
+        jnp.zeros((1, k, n), jnp.bfloat16),
+        jnp.zeros((1, m, n), jnp.bfloat16),
+        jnp.zeros(status_shape, jnp.float32),
+    )
+    after = functools.partial(verify.pass_after, check=True, max_recomputed=16, block_sizes=bs)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in args]
+    lowered = jax.jit(after, donate_argnums=2).trace(*specs).lower(lowering_platforms=("cuda",))
+    ks = kernels(lowered.compile().as_text())
+    return {"kernels": len(ks), "per_kind": dict(collections.Counter(k["kind"] for k in ks))}
+
+
 def main() -> int:
     import bench_gpu  # scripts/ on the path
 
@@ -113,8 +139,24 @@ def main() -> int:
     parser.add_argument("--hlo", type=Path, default=None, help="write each variant's HLO here")
     parser.add_argument("--out", type=Path, default=None, help="write the inventory as JSON")
     parser.add_argument("--site", default=None, help="list the kernels of sites matching this")
+    parser.add_argument(
+        "--after-pass",
+        nargs="+",
+        default=None,
+        metavar="MxKxN",
+        help="inventory the Mosaic checked GEMM's pass after the kernel at these shapes instead",
+    )
     args = parser.parse_args()
     device = gpu_device()
+    if args.after_pass:
+        after = {}
+        for shape in args.after_pass:
+            m, k, n = (int(x) for x in shape.split("x"))
+            after[shape] = after_pass_inventory(device, m, k, n)
+            print(f"pass after the kernel, {shape}: {after[shape]}", flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(after, indent=2))
+        return 0
     step, step_args = bench_gpu.lm_step(args.size, jax.numpy.dtype(args.dtype))
     result = {}
     for name in args.variants:

@@ -91,3 +91,20 @@ def test_the_checked_step_compiles_for_an_h200_without_one(tmp_path):
     detect = inv["detect only"]
     assert detect["sites"] > 0 and detect["check_kernels"] >= detect["sites"]
     assert detect["kernels"] > inv["plain"]["kernels"]
+
+
+@pytest.mark.skipif(
+    not _has_cuda_plugin(),
+    reason="needs JAX's CUDA plugin (pip install 'jax[cuda13]'); no GPU needed",
+)
+def test_the_pass_after_the_mosaic_gemm_has_no_scan_on_an_h200(tmp_path):
+    """The pass after the checked GEMM kernel compiles for an H200 with no scan (XLA:GPU makes
+    a cumsum ``reduce_window`` fusions) and one scatter into C."""
+    out = tmp_path / "after.json"
+    env = {**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), str(SCRIPT.parent)])
+    command = [sys.executable, str(SCRIPT), "--after-pass", "1024x256x2048", "--out", str(out)]
+    subprocess.run(command, check=True, env=env)
+    kinds = json.loads(out.read_text())["1024x256x2048"]["per_kind"]
+    assert not any("reduce_window" in kind for kind in kinds), kinds
+    assert kinds.get("input_scatter_fusion") == 1, kinds

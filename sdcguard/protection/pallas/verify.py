@@ -7,11 +7,13 @@ exact as the checksums (float32 round-off of the whole row), so :func:`recompute
 recomputes every located element from its row of ``A`` and column of ``B`` (float32 products,
 summed in float32: the GEMM's own arithmetic) and writes it over the rebuilt one.
 
-Everything here is branch-free and fixed-size: at most ``max_recomputed`` elements per call are
-recomputed (a gather of that many rows of ``A`` and columns of ``B``, and a scatter into ``C``);
-a tile holding a located element beyond that is counted uncorrectable. On a clean call this is
-a search over the ``[batch, N / tile_n, M]`` statuses (``1 / tile_n`` of ``C``) and a scatter
-that writes nothing.
+Everything here is branch-free and fixed-size, and only one pass grows with the matrix: the
+statuses (``1 / tile_n`` of ``C``) reduced per tile (:func:`summarize_tiles`). The rest works on
+the tiles: an index pass picks the first tiles holding a located element, their rows are
+gathered, and at most ``max_recomputed`` located elements per call are recomputed (a gather of
+that many rows of ``A`` and columns of ``B``, and a scatter into ``C``); a tile holding a
+located element beyond them is counted uncorrectable. On a clean call the scatter writes
+nothing.
 
 Example:
   >>> c, counts = recompute_and_count(a, b, c, status, max_recomputed=16, tile_m=128,
@@ -20,11 +22,16 @@ Example:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from sdcguard.protection._checksums import reduce_together
 from sdcguard.protection._config import count_outcomes, zero_counts
 from sdcguard.protection.pallas.matmul_mgpu import (
+    CLEAN,
     LOCATED,
     NONFINITE_INPUT,
     UNCORRECTABLE,
@@ -40,6 +47,41 @@ def recompute_elements(a: jax.Array, b: jax.Array, bi, m, n) -> jax.Array:
     return jnp.sum(rows * cols, axis=-1)
 
 
+class TileSummary(NamedTuple):
+    """What the rows of each output tile say, one entry per tile, ``[batch, N / tile_n,
+    M / tile_m]`` (the tiles in the order of the kernel's status rows)."""
+
+    flagged: jax.Array  # bool: a row of the tile failed its check
+    located: jax.Array  # int32: rows whose one error the kernel located and rebuilt
+    uncorrectable: jax.Array  # bool: a flagged row could not be located
+    nonfinite_input: jax.Array  # bool: a flagged row's checksum (the inputs alone) is not finite
+
+
+def summarize_tiles(status: jax.Array, *, tile_m: int) -> TileSummary:
+    """The kernel's row statuses reduced per tile: one pass over the statuses, the only work
+    after the kernel that grows with ``M x N`` (``1 / tile_n`` of ``C``).
+
+    Args:
+      status: float32 ``[batch, N / tile_n, 2, M]``: each row's status and located column.
+      tile_m: the rows of one check (a warpgroup's accumulator).
+
+    Returns:
+      The per-tile :class:`TileSummary`.
+    """
+    batch, tiles_n, _, m = status.shape
+    state = status[:, :, 0, :].reshape(batch, tiles_n, m // tile_m, tile_m)
+    out = reduce_together(
+        {
+            "flagged": ("max", state > CLEAN),
+            "located": ("sum", (state == LOCATED).astype(jnp.int32)),
+            "uncorrectable": ("max", state == UNCORRECTABLE),
+            "nonfinite_input": ("max", state == NONFINITE_INPUT),
+        },
+        (3,),
+    )
+    return TileSummary(**out)
+
+
 def recompute_and_count(
     a: jax.Array,
     b: jax.Array,
@@ -52,6 +94,12 @@ def recompute_and_count(
 ) -> tuple[jax.Array, jax.Array]:
     """Recomputes the located elements exactly and turns row statuses into tile counters.
 
+    One reduction summarizes the tiles (:func:`summarize_tiles`); everything after it is
+    proportional to the tiles, or to the ``max_recomputed`` tiles that hold the first located
+    elements: their rows are gathered, and their located elements recomputed. The located
+    elements taken are the first ``max_recomputed`` in the order of ``status``; a tile with a
+    located element beyond them is uncorrectable.
+
     Args:
       a: ``[batch, M, K]``, b: ``[batch, K, N]``: the unpadded operands.
       c: ``[batch, Mp, Np]``: the kernel's (padded) output.
@@ -63,36 +111,56 @@ def recompute_and_count(
       ``(c, counts)``: ``c`` with the located elements recomputed, and int32 ``[detected,
       corrected, uncorrectable, nonfinite_input]`` summed over tiles.
     """
-    batch, tiles_n, _, mp = status.shape
+    batch = status.shape[0]
     m, n = a.shape[1], b.shape[2]
-    state, column = status[:, :, 0, :], status[:, :, 1, :]  # [batch, tiles_n, Mp]
-    located = state == LOCATED
-    flat = located.reshape(-1)
-    (slots,) = jnp.nonzero(flat, size=max_recomputed, fill_value=flat.size)
-    used = slots < flat.size
-    safe = jnp.where(used, slots, 0)
-    bi, tj, row = jnp.unravel_index(safe, located.shape)
-    col = tj * tile_n + column.reshape(-1)[safe].astype(jnp.int32)
+    tiles = summarize_tiles(status, tile_m=tile_m)
+    grid = tiles.located.shape  # [batch, tiles_n, tiles_m]
+    # The index pass: the first tiles holding a located element (each holds at least one, so
+    # these hold the first max_recomputed located elements), in the order of ``status``.
+    has_located = (tiles.located > 0).reshape(-1).astype(jnp.int32)
+    taken_ok, taken = _first(has_located, min(max_recomputed, has_located.size))
+    bi, tj, ti = jnp.unravel_index(taken, grid)
+    # Their rows, [taken, tile_m], and the first located elements among them.
+    rows = ti[:, None] * tile_m + jnp.arange(tile_m)[None, :]
+    state = status[bi[:, None], tj[:, None], 0, rows]
+    column = status[bi[:, None], tj[:, None], 1, rows]
+    located = ((state == LOCATED) & taken_ok[:, None]).reshape(-1).astype(jnp.int32)
+    used, slots = _first(located, min(max_recomputed, located.size))
+    tile_of, within = slots // tile_m, slots % tile_m
+    e_b, e_row = bi[tile_of], rows[tile_of, within]
+    e_col = tj[tile_of] * tile_n + column.reshape(-1)[slots].astype(jnp.int32)
     # Located rows and columns are inside the matrix; the clamps only touch unused slots.
-    fresh = recompute_elements(a, b, bi, jnp.minimum(row, m - 1), jnp.minimum(col, n - 1))
-    fresh_nonfinite = used & ~jnp.isfinite(fresh)
-    write_at = jnp.where(used, bi, batch)  # unused slots point outside and are dropped
-    c = c.at[write_at, row, col].set(fresh.astype(c.dtype), mode="drop")
+    fresh = recompute_elements(a, b, e_b, jnp.minimum(e_row, m - 1), jnp.minimum(e_col, n - 1))
+    write_at = jnp.where(used, e_b, batch)  # unused slots point outside and are dropped
+    c = c.at[write_at, e_row, e_col].set(fresh.astype(c.dtype), mode="drop")
 
-    def per_tile(rows):  # [batch, tiles_n, Mp] bool -> [batch, tiles_m, tiles_n]
-        r = rows.reshape(batch, tiles_n, mp // tile_m, tile_m)
-        return jnp.transpose(jnp.any(r, axis=-1), (0, 2, 1))
+    # Per taken tile: whether all its located elements were recomputed, and whether the inputs
+    # define a non-finite value at one of them (it is left as they define it).
+    in_tile = (tile_of[None, :] == jnp.arange(taken.size)[:, None]) & used
+    recomputed = jnp.sum(in_tile, axis=1)
+    fresh_nonfinite = jnp.any(in_tile & ~jnp.isfinite(fresh)[None, :], axis=1)
+    at_taken = lambda x: x.reshape(-1)[taken]
+    # A tile is corrected only when every flagged row in it was located and recomputed, so
+    # every corrected tile is a taken one; the other outcomes follow from the counts.
+    nonfinite_input = at_taken(tiles.nonfinite_input)
+    corrected = (
+        taken_ok
+        & ~nonfinite_input
+        & ~at_taken(tiles.uncorrectable)
+        & (recomputed == at_taken(tiles.located))
+        & ~fresh_nonfinite
+    )
+    nonfinite = jnp.sum(tiles.nonfinite_input) + jnp.sum(
+        taken_ok & fresh_nonfinite & ~nonfinite_input
+    )
+    return c, count_outcomes(jnp.sum(tiles.flagged), jnp.sum(corrected), nonfinite)
 
-    beyond = located & (jnp.cumsum(flat).reshape(located.shape) > max_recomputed)
-    # The inputs define a non-finite value: a flagged row whose checksum is not finite, or a
-    # located element whose recomputation is not.
-    recomputed_nonfinite = jnp.zeros(flat.shape, bool).at[safe].max(fresh_nonfinite)
-    nonfinite_rows = (state == NONFINITE_INPUT) | recomputed_nonfinite.reshape(located.shape)
-    detected = per_tile(state > 0)
-    nonfinite = per_tile(nonfinite_rows) & detected
-    unfixed = per_tile((state == UNCORRECTABLE) | beyond) & ~nonfinite
-    corrected = detected & ~unfixed & ~nonfinite
-    return c, count_outcomes(jnp.sum(detected), jnp.sum(corrected), jnp.sum(nonfinite))
+
+def _first(flags: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
+    """``(set, index)`` of the first ``count`` entries of an int32 0/1 vector that are 1, in
+    order; where fewer are set, the rest of ``index`` points at entries that are not."""
+    score, index = lax.top_k(flags, count)  # stable: equal scores in the order of ``flags``
+    return score > 0, index
 
 
 def pass_after(a, b, c, status, *, check: bool, max_recomputed: int, block_sizes: BlockSizes):
