@@ -20,8 +20,10 @@ is rounded to the output dtype:
 * **Epilogue, per output tile**, on the accumulator in registers: the row sums and the
   index-weighted row sums of ``acc``, compared with the expected sums against thresholds from
   the tolerance model of :mod:`sdcguard.protection._tolerance` for a float32 result
-  (:func:`tile_parameters`, computed by XLA per row and tile). A flagged row with one
-  non-finite or near-INF element is located directly; otherwise the column is the ratio of the
+  (:func:`tile_parameters`, computed by XLA per row and tile). A tile with no flagged row
+  (almost every tile) stops there: what follows runs behind a branch on the whole tile, and a
+  detection-only kernel does not compile it. A flagged row with one non-finite or near-INF
+  element is located directly; otherwise the column is the ratio of the
   weighted to the plain deviation. The located element is rebuilt in registers from the row
   checksum and the rest of the row, and the rebuilt row is verified against the weighted
   checksum; then the tile is rounded to the output dtype and stored. Each row's status
@@ -481,7 +483,7 @@ def _check_tile(acc, chk, param, *, settings: KernelSettings, iota):
     """
     f32 = jnp.float32
     tm, tn = acc.shape
-    correct, near_inf = settings.correct, settings.near_inf
+    near_inf = settings.near_inf
     wide = lambda v: lax.broadcast_in_dim(v, (tm, tn), [0])
     col = iota((tm, tn), 1).astype(f32)  # 0-based column within the tile
     for f in range(settings.num_faults):  # as a faulty MMA would have left the accumulator
@@ -508,6 +510,38 @@ def _check_tile(acc, chk, param, *, settings: KernelSettings, iota):
         jnp.abs(dev_e) <= threshold_e, jnp.where(jnp.abs(dev_w) <= threshold_w, 0.0, 1.0), 1.0
     )
     upstream = jnp.where(finite(expected_e), jnp.where(finite(expected_w), 0.0, 1.0), 1.0)
+    if not settings.correct:  # detection only: nothing to locate
+        status = jnp.where(
+            flagged > 0.0, jnp.where(upstream > 0.0, NONFINITE_INPUT, UNCORRECTABLE), CLEAN
+        )
+        return acc, status, jnp.full_like(flagged, -1.0)
+
+    def locate_and_rebuild(acc):
+        return _rebuild_rows(
+            acc, col, flagged, upstream, (dev_e, dev_w), (expected_e, expected_w),
+            (scale_e, scale_w), (threshold_e, threshold_w), near_inf=near_inf,
+        )  # fmt: skip
+
+    def clean(acc):
+        return acc, jnp.zeros_like(flagged), jnp.full_like(flagged, -1.0)
+
+    # A clean tile (almost every tile) pays for its two row sums alone.
+    return lax.cond(jnp.max(flagged) > 0.0, locate_and_rebuild, clean, acc)
+
+
+def _rebuild_rows(acc, col, flagged, upstream, dev, expected, scale, threshold, *, near_inf):
+    """The flagged rows of a tile: each row's one error located, rebuilt from the row checksum
+    and verified against the weighted one (see :func:`_check_tile`).
+
+    Returns:
+      ``(acc, status, column)`` as :func:`_check_tile`.
+    """
+    tm, tn = acc.shape
+    (dev_e, dev_w), (expected_e, expected_w) = dev, expected
+    (scale_e, scale_w), (threshold_e, threshold_w) = scale, threshold
+    wide = lambda v: lax.broadcast_in_dim(v, (tm, tn), [0])
+    weight_e = wide(scale_e)
+    weight_w = wide(scale_w) * (col + 1.0)
     # Location: a non-finite element directly; else the ratio of the weighted to the plain
     # deviation; else (the scaled sums overflowed: the error dwarfs the row) the row's one
     # near-INF element, or its largest. Clean large elements can pass near_inf, so near-INF
@@ -544,14 +578,10 @@ def _check_tile(acc, chk, param, *, settings: KernelSettings, iota):
     residual_w = expected_w - rest_w - (column + 1.0) * rebuilt * scale_w
     allowed_w = threshold_w + (column + 1.0) * threshold_e * (scale_w / scale_e)
     consistent = jnp.where((jnp.abs(residual_w) <= allowed_w) & finite(rebuilt), usable, 0.0)
-    if correct:
-        fixed = jnp.where(consistent > 0.0, LOCATED, UNCORRECTABLE)
-    else:
-        fixed = jnp.full_like(flagged, UNCORRECTABLE)
+    fixed = jnp.where(consistent > 0.0, LOCATED, UNCORRECTABLE)
     status = jnp.where(flagged > 0.0, jnp.where(upstream > 0.0, NONFINITE_INPUT, fixed), CLEAN)
     repaired = status == LOCATED
-    if correct:
-        acc = jnp.where(hit & wide(repaired), wide(rebuilt), acc)
+    acc = jnp.where(hit & wide(repaired), wide(rebuilt), acc)
     return acc, status, jnp.where(repaired, column, -1.0)
 
 

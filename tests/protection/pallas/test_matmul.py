@@ -241,7 +241,7 @@ def test_recompute_and_count_is_branch_free():
 # --- The kernel itself -------------------------------------------------------------------------
 
 
-def _lower_for_h100(check: bool, plan):
+def _lower_for_h100(check: bool, plan, correct: bool = True):
     from jax.sharding import AbstractDevice, AbstractMesh
 
     device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
@@ -249,19 +249,25 @@ def _lower_for_h100(check: bool, plan):
     b = jax.ShapeDtypeStruct((2, 320, 384), jnp.bfloat16)
 
     def f(a, b, plan):
-        return matmul.checked_matmul(a, b, check=check, plan=plan, site=SITE, interpret=False)
+        return matmul.checked_matmul(
+            a, b, check=check, correct=correct, plan=plan, site=SITE, interpret=False
+        )
 
     with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=device)):
         return jax.jit(f).trace(a, b, plan).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.lowering
-@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
-def test_kernel_lowers_for_sm90a(check):
+@pytest.mark.parametrize(
+    "check,correct", [(True, True), (True, False), (False, False)],
+    ids=["checked", "detect-only", "unchecked"],
+)  # fmt: skip
+def test_kernel_lowers_for_sm90a(check, correct):
     """Pallas -> Mosaic GPU dialect -> layout inference for sm_90 -> lowered MLIR that
     verifies, within Hopper's shared memory: the WGMMAs (the narrow one included), TMA
-    pipeline and epilogue are all accepted. PTX and SASS are produced on the GPU only."""
-    text = _lower_for_h100(check, _plan(Fault(site=SITE, kind="inf", index=5)))
+    pipeline, epilogue and its branch to the location of flagged rows are all accepted. PTX
+    and SASS are produced on the GPU only."""
+    text = _lower_for_h100(check, _plan(Fault(site=SITE, kind="inf", index=5)), correct)
     calls = [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
     assert len(calls) == 1
     assert ("checked_matmul" if check else "matmul") in text
