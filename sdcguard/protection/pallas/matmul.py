@@ -349,7 +349,14 @@ def _kernel_path(a, b, settings, *, safety, faults, max_recomputed, interpret, e
     else:
         c, status = run_kernel(a_p, b_p, bc, params, settings=settings, interpret=interpret)
     return verify.pass_after(
-        a, b, c, status, check=check, max_recomputed=max_recomputed, block_sizes=bs
+        a,
+        b,
+        c,
+        status,
+        check=check,
+        correct=settings.correct,
+        max_recomputed=max_recomputed,
+        block_sizes=bs,
     )
 
 

@@ -163,14 +163,17 @@ def _first(flags: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
     return score > 0, index
 
 
-def pass_after(a, b, c, status, *, check: bool, max_recomputed: int, block_sizes: BlockSizes):
+def pass_after(
+    a, b, c, status, *, check: bool, max_recomputed: int, block_sizes: BlockSizes, correct=True
+):
     """Everything after the kernel: :func:`recompute_and_count` (with ``check``), and the
     padding of ``c`` cut off.
 
     Args:
       a, b: the unpadded operands; c, status: the kernel's outputs (``status`` None unchecked).
-      check, max_recomputed, block_sizes: as for
-        :func:`sdcguard.protection.pallas.checked_matmul`.
+      check, max_recomputed, block_sizes, correct: as for
+        :func:`sdcguard.protection.pallas.checked_matmul`. A detection-only kernel locates
+        nothing, so without ``correct`` the counters come from the tiles' summary alone.
 
     Returns:
       ``(c [batch, M, N], counts)``.
@@ -178,6 +181,10 @@ def pass_after(a, b, c, status, *, check: bool, max_recomputed: int, block_sizes
     m, n = a.shape[1], b.shape[2]
     if not check:
         return c[:, :m, :n], zero_counts()
+    if not correct:
+        tiles = summarize_tiles(status, tile_m=block_sizes.tile_m)
+        counts = count_outcomes(jnp.sum(tiles.flagged), 0, jnp.sum(tiles.nonfinite_input))
+        return c[:, :m, :n], counts
     c, counts = recompute_and_count(
         a,
         b,

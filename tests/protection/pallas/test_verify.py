@@ -6,6 +6,7 @@ per tile, and more located elements than the pass recomputes.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -15,7 +16,13 @@ import numpy as np
 import pytest
 
 from sdcguard.protection.pallas import verify
-from sdcguard.protection.pallas.matmul_mgpu import CLEAN, LOCATED, NONFINITE_INPUT, UNCORRECTABLE
+from sdcguard.protection.pallas.matmul_mgpu import (
+    CLEAN,
+    LOCATED,
+    NONFINITE_INPUT,
+    UNCORRECTABLE,
+    BlockSizes,
+)
 
 from tests.helpers.tolerances import TOLERANCES
 
@@ -150,3 +157,19 @@ def test_only_one_reduction_reads_every_row_status():
     for name, size in scans:
         # A scatter into C reads C; every other one is over tiles or taken rows.
         assert size <= small or (name == "scatter" and size == batch * m * n), (name, size)
+
+
+def test_detection_only_counts_from_the_tiles_alone():
+    """A detection-only kernel locates nothing: the pass after it counts what the full pass
+    counts, and leaves C as it is."""
+    a, b, c = _operands(jnp.float16)
+    status = _statuses(7, 0.05)
+    status[:, :, 0, :][status[:, :, 0, :] == LOCATED] = UNCORRECTABLE
+    status[:, :, 1, :] = -1.0
+    blocks = BlockSizes(tile_m=TILE_M, tile_n=TILE_N)
+    after = functools.partial(verify.pass_after, a, b, c, jnp.asarray(status), check=True)
+    detected, counts = after(max_recomputed=16, block_sizes=blocks, correct=False)
+    _, full_counts = after(max_recomputed=16, block_sizes=blocks)
+    assert counts.tolist() == full_counts.tolist()
+    assert counts[0] > 0 and counts[2] > 0 and counts[3] > 0
+    np.testing.assert_array_equal(np.asarray(detected), np.asarray(c))
