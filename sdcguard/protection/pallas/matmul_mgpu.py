@@ -61,7 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sdcguard.fault_model import NEAR_INF
-from sdcguard.protection._checksums import power_of_two_below
+from sdcguard.protection._checksums import power_of_two_below, reduce_together
 from sdcguard.protection._tolerance import scaled_line_threshold
 from sdcguard.protection.pallas._tiles import finite, split3
 
@@ -193,8 +193,19 @@ def checksum_columns(b: jax.Array, *, tile_n: int, transposed: bool):
     weighted = jnp.sum(b32 * weights, axis=-1)
     abs_plain = jnp.sum(jnp.abs(b32), axis=-1)
     abs_weighted = jnp.sum(jnp.abs(b32) * weights, axis=-1)
-    scale_e = power_of_two_below(jnp.max(abs_plain, axis=1))  # [batch, tiles]
-    scale_w = power_of_two_below(jnp.max(abs_weighted, axis=1))
+    # Per tile, over K: the largest |B|e (|B|w), whose power of two is the tile's scale, and
+    # the scaled sum (scaled before summing: an unscaled sum can overflow). The largest scaled
+    # is the largest times the scale, exactly (a power of two).
+    biggest = reduce_together({"e": ("max", abs_plain), "w": ("max", abs_weighted)}, (1,))
+    scale_e = power_of_two_below(biggest["e"])  # [batch, tiles]
+    scale_w = power_of_two_below(biggest["w"])
+    totals = reduce_together(
+        {
+            "e": ("sum", abs_plain * scale_e[:, None, :]),
+            "w": ("sum", abs_weighted * scale_w[:, None, :]),
+        },
+        (1,),
+    )
     parts = jnp.concatenate(
         [
             jnp.stack(split3(plain * scale_e[:, None, :], b.dtype), axis=-1),
@@ -208,11 +219,13 @@ def checksum_columns(b: jax.Array, *, tile_n: int, transposed: bool):
     else:
         bc = parts.reshape(batch, k, tiles * CHECK_COLUMNS)
 
-    def extent(x, scale):  # [batch, tiles, 2]: scaled max_k and sum_k
-        x = x * scale[:, None, :]
-        return jnp.stack([jnp.max(x, axis=1), jnp.sum(x, axis=1)], axis=-1)
-
-    magnitudes = jnp.stack([extent(abs_plain, scale_e), extent(abs_weighted, scale_w)], axis=2)
+    magnitudes = jnp.stack(
+        [
+            jnp.stack([biggest["e"] * scale_e, totals["e"]], axis=-1),
+            jnp.stack([biggest["w"] * scale_w, totals["w"]], axis=-1),
+        ],
+        axis=2,
+    )
     return bc, jnp.stack([scale_e, scale_w], axis=-1), magnitudes
 
 
