@@ -5,7 +5,8 @@ square-ish ones and the GEMMs of a d-1024 LM step, forward and backward, :data:`
 
 - JAX's unmodified Hopper GEMM (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``) and
   ``sdcguard``'s checked GEMM unchecked / checked / detect-only, each against cuBLAS
-  (``jnp.dot``);
+  (``jnp.dot``); checked and detect-only again with the checksum GEMM separate
+  (``checksum_gemm="separate"``: the expected row sums as an XLA GEMM before the kernel);
 - each part of the checked GEMM as a compiled function of its own, on the outputs of the part
   before it: the passes before the kernel over ``B`` (padding, the checksum operand) and over
   ``A`` (padding, the per-row thresholds), both together, the kernel alone, and the pass after
@@ -294,6 +295,14 @@ def gemm_case(name: str, m: int, n: int, k: int, *, size: str, dtype=jnp.bfloat1
         "unchecked": functools.partial(matmul.checked_matmul, check=False, block_sizes=bs),
         "checked": functools.partial(matmul.checked_matmul, block_sizes=bs),
         "detect_only": functools.partial(matmul.checked_matmul, correct=False, block_sizes=bs),
+        # The expected row sums as an XLA GEMM before the kernel, not a narrow WGMMA in its
+        # main loop: which is faster is for a GPU to say.
+        "checked, separate checksum GEMM": functools.partial(
+            matmul.checked_matmul, block_sizes=bs, checksum_gemm="separate"
+        ),
+        "detect_only, separate checksum GEMM": functools.partial(
+            matmul.checked_matmul, correct=False, block_sizes=bs, checksum_gemm="separate"
+        ),
     }
     variants = {v: Compiled(f, a, b) for v, f in fns.items()}
     variants |= {f"checked: {s}": v for s, v in stage_variants(a, b, bs).items()}

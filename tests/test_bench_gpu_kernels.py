@@ -66,7 +66,8 @@ def test_forced_tiny_run_times_each_part_of_the_checked_gemm(tmp_path):
     assert not [r for r in report["rows"] if "error" in r]
     rows = {r["variant"]: r for r in report["rows"]}
     stages = [f"checked: {s}" for s in bench.STAGES]
-    timed = ["cublas", "unchecked", "checked", "detect_only", *stages]
+    separate = ["checked, separate checksum GEMM", "detect_only, separate checksum GEMM"]
+    timed = ["cublas", "unchecked", "checked", "detect_only", *separate, *stages]
     assert list(rows) == [*timed, "checked: sum of parts"]
     assert rows["cublas"]["ratio"] == 1.0
     for name in timed:

@@ -159,6 +159,7 @@ def checked_matmul(
     faults: FaultCoords | None = None,
     max_recomputed: int = 16,
     block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
+    checksum_gemm: str = "fused",
     interpret: bool | None = None,
     emulate: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -177,6 +178,9 @@ def checked_matmul(
       faults: the same, already resolved (:func:`matrix_faults`); overrides ``plan``.
       max_recomputed: how many located elements per call are recomputed exactly.
       block_sizes: tiles.
+      checksum_gemm: where the tiles' expected row sums are computed: ``"fused"`` (a narrow
+        WGMMA in the kernel's main loop) or ``"separate"`` (an XLA GEMM before the kernel;
+        :class:`~sdcguard.protection.pallas.matmul_mgpu.KernelSettings`).
       interpret: Mosaic GPU interpret mode (default: when the backend is not a GPU). Raises
         ``RuntimeError`` when XLA:CPU's thread pool is too small for the interpreter to finish
         (fewer than four threads; set ``PJRT_NPROC``).
@@ -204,6 +208,7 @@ def checked_matmul(
             check=check,
             correct=correct,
             near_inf=near_inf,
+            checksum_gemm=checksum_gemm,
         )
         c, counts = _kernel_path(
             a,
@@ -272,7 +277,16 @@ def pass_over_b(b, *, a_shape, check: bool, block_sizes: BlockSizes, transposed:
 
 
 def pass_over_a(
-    a, scales, magnitudes, *, b_shape, check: bool, safety, block_sizes: BlockSizes, injected=None
+    a,
+    scales,
+    magnitudes,
+    *,
+    b_shape,
+    check: bool,
+    safety,
+    block_sizes: BlockSizes,
+    injected=None,
+    bc=None,
 ):
     """Before the kernel, over ``A``: its padding and, with ``check``, the per-row thresholds.
 
@@ -281,6 +295,9 @@ def pass_over_a(
       scales, magnitudes: from :func:`pass_over_b`.
       check, safety, block_sizes: as for :func:`checked_matmul`.
       injected: the faults' ``(hit, batch, row, col, value)`` (:func:`_injected_values`).
+      bc: the checksum operand in the interpret layout, for a kernel with
+        ``checksum_gemm="separate"``: the tiles' expected row sums ``A·Bc`` are computed here
+        and join the parameters (:func:`matmul_mgpu.expected_row_sums`).
 
     Returns:
       ``(a_padded, params)`` (``params`` None without ``check``).
@@ -297,6 +314,7 @@ def pass_over_a(
         tile_n=block_sizes.tile_n,
         safety=safety,
         faults=injected,
+        expected=None if bc is None else matmul_mgpu.expected_row_sums(a_p, bc),
     )
     return a_p, params
 
@@ -324,8 +342,10 @@ def _kernel_path(a, b, settings, *, safety, faults, max_recomputed, interpret, e
     """bf16/fp16 operands: the passes before the kernel, the kernel (or its reference), the
     pass after it."""
     bs, check, out_dtype = settings.block_sizes, settings.check, settings.out_dtype
+    fused = settings.fused_checksums
+    compiled_layout = fused and not (interpret or emulate)
     b_p, bc, scales, magnitudes = pass_over_b(
-        b, a_shape=a.shape, check=check, block_sizes=bs, transposed=not (interpret or emulate)
+        b, a_shape=a.shape, check=check, block_sizes=bs, transposed=compiled_layout
     )
     injected = None
     if check and faults is not None:
@@ -339,6 +359,7 @@ def _kernel_path(a, b, settings, *, safety, faults, max_recomputed, interpret, e
         safety=safety,
         block_sizes=bs,
         injected=injected,
+        bc=None if fused else bc,
     )
     if injected is not None:
         settings = dataclasses.replace(settings, num_faults=injected[0].shape[0])

@@ -73,6 +73,9 @@ _E_PARTS, _W_PARTS = (0, 3), (3, 6)
 SCALE_E, SCALE_W, THRESHOLD_E, THRESHOLD_W = range(4)
 FIRST_FAULT_ROW = 4  # then (column or -1, value) per fault
 
+# Where a tile's expected row sums ``A·Bc`` are computed (:class:`KernelSettings`).
+CHECKSUM_GEMMS = ("fused", "separate")
+
 # Row status written by the kernel.
 CLEAN, LOCATED, UNCORRECTABLE, NONFINITE_INPUT = 0.0, 1.0, 2.0, 3.0
 
@@ -135,6 +138,11 @@ class KernelSettings:
       near_inf: magnitude located directly in a flagged row (``ABFTConfig``'s default).
       num_faults: faults the host resolved per tile, written into the accumulator before
         the check (``FIRST_FAULT_ROW`` onwards of the parameter block).
+      checksum_gemm: ``"fused"``: each K step of the main loop issues the narrow WGMMA
+        ``A_panel · Bc_panel`` into a second accumulator; ``"separate"``: XLA computes
+        ``A·Bc`` before the kernel (:func:`expected_row_sums`), and the kernel reads each
+        tile's expected sums with its parameters (the last two rows of the block), so its
+        main loop is the plain GEMM's.
 
     Example:
       >>> KernelSettings(out_dtype=jnp.bfloat16, block_sizes=BlockSizes())
@@ -146,14 +154,30 @@ class KernelSettings:
     correct: bool = True
     near_inf: float = NEAR_INF
     num_faults: int = 0
+    checksum_gemm: str = "fused"
 
     def __post_init__(self):
+        if self.checksum_gemm not in CHECKSUM_GEMMS:
+            raise ValueError(
+                f"checksum_gemm={self.checksum_gemm!r}: expected one of {CHECKSUM_GEMMS}"
+            )
         set_ = functools.partial(object.__setattr__, self)
         set_("out_dtype", jnp.dtype(self.out_dtype))
         set_("check", bool(self.check))
         set_("correct", bool(self.correct) and self.check)
         set_("near_inf", float(self.near_inf) if self.check else 0.0)
         set_("num_faults", int(self.num_faults) if self.check else 0)
+        set_("checksum_gemm", self.checksum_gemm if self.check else "fused")
+
+    @property
+    def fused_checksums(self) -> bool:
+        """Whether the kernel computes ``A·Bc`` itself (a checked kernel with ``"fused"``)."""
+        return self.check and self.checksum_gemm == "fused"
+
+    @property
+    def expected_rows(self) -> int:
+        """The parameter block's row of the expected plain sums (the weighted ones follow)."""
+        return FIRST_FAULT_ROW + 2 * self.num_faults
 
 
 # --- Host side: what the kernel reads besides A and B ----------------------------------------
@@ -229,6 +253,28 @@ def checksum_columns(b: jax.Array, *, tile_n: int, transposed: bool):
     return bc, jnp.stack([scale_e, scale_w], axis=-1), magnitudes
 
 
+def expected_row_sums(a: jax.Array, bc: jax.Array) -> jax.Array:
+    """Each tile's expected row sums ``A·Be`` and ``A·Bw`` (scaled), from the split checksum
+    operand, as the fused kernel's narrow WGMMA computes them: float32 products of the bf16
+    (fp16) parts, summed in float32.
+
+    Args:
+      a: ``[batch, M, K]``; bc: ``[batch, K, tiles·8]`` (:func:`checksum_columns`,
+        ``transposed=False``).
+
+    Returns:
+      float32 ``[batch, tiles, 2, M]``: per tile, the plain and the weighted expected sums.
+    """
+    batch, m, _ = a.shape
+    tiles = bc.shape[2] // CHECK_COLUMNS
+    chk = jnp.einsum(
+        "bmk,bkc->bmc", a, bc, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST
+    ).reshape(batch, m, tiles, CHECK_COLUMNS)
+    plain = jnp.sum(chk[..., _E_PARTS[0] : _E_PARTS[1]], axis=-1)  # [batch, M, tiles]
+    weighted = jnp.sum(chk[..., _W_PARTS[0] : _W_PARTS[1]], axis=-1)
+    return jnp.transpose(jnp.stack([plain, weighted], axis=-1), (0, 2, 3, 1))
+
+
 def tile_parameters(
     a: jax.Array,
     scales: jax.Array,
@@ -238,10 +284,12 @@ def tile_parameters(
     tile_n: int,
     safety: float,
     faults=None,
+    expected=None,
 ) -> jax.Array:
     """The per-row, per-tile float32 block the epilogue reads: ``[batch, tiles, rows, M]``.
 
-    Rows: the two scales, the two thresholds, then ``(column or -1, value)`` per fault.
+    Rows: the two scales, the two thresholds, then ``(column or -1, value)`` per fault, then
+    (with ``expected``) the two expected sums.
     A row's bound is ``min(‖a‖₁·max_k |B|e, max|a|·Σ_k |B|e)`` (both bound ``|a|·|B|e``),
     scaled; the threshold is :func:`sdcguard.protection._tolerance.scaled_line_threshold` of a
     float32 result (the check runs before rounding) over ``K + 2`` terms (the three parts of
@@ -255,6 +303,8 @@ def tile_parameters(
       safety: ``ABFTConfig.safety``.
       faults: optional ``(hit bool[F], batch[F], row[F], col[F], value f32[F])`` in the
         kernel's ``[batch, M, N]`` coordinates.
+      expected: optional ``[batch, tiles, 2, M]`` (:func:`expected_row_sums`), for a kernel
+        with ``checksum_gemm="separate"``.
     """
     batch, m, _ = a.shape
     tiles = scales.shape[1]
@@ -296,6 +346,8 @@ def tile_parameters(
             val = jnp.zeros((batch, tiles, m), jnp.float32)
             val = val.at[where_b, fn[f] // tile_n, fm[f]].set(value[f], mode="drop")
             par += [col, val]
+    if expected is not None:
+        par += [expected[:, :, 0], expected[:, :, 1]]
     return jnp.stack(par, axis=2)
 
 
@@ -314,7 +366,7 @@ def _kernel(
     interpret: bool,
 ):
     """One persistent CTA: loops over output tiles; see the module docstring."""
-    bs, check = settings.block_sizes, settings.check
+    bs, check, fused = settings.block_sizes, settings.check, settings.fused_checksums
     batch, m, k = a_gmem.shape
     n = b_gmem.shape[2]
     dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
@@ -370,7 +422,7 @@ def _kernel(
                 memory_space=plgpu.SMEM,
             ),
         ]
-        if check:
+        if fused:
             specs.append(bc_spec)
         return plgpu.emit_pipeline_warp_specialized(
             body,
@@ -385,7 +437,7 @@ def _kernel(
 
     ignore = lambda *_, **__: None
     panels = [a_gmem.at[0, pl.ds(0, cta_m), :], b_gmem.at[0, :, pl.ds(0, tn)]]
-    if check:
+    if fused:
         panels.append(bc_panel(0, 0))
     num_slots = min(2, (tm * tn) // (bs.epi_tile_m * bs.epi_tile_n))
 
@@ -420,12 +472,12 @@ def _kernel(
 
             def compute_context(eval_pipeline):
                 scratch = {"acc_ref": plgpu.ACC((tm, tn), f32)}
-                if check:
+                if fused:
                     scratch["chk_ref"] = plgpu.ACC((tm, CHECK_COLUMNS), f32)
 
                 @functools.partial(pl.run_scoped, **scratch)
                 def _acc_scope(acc_ref, chk_ref=None):
-                    eval_pipeline((acc_ref, chk_ref) if check else acc_ref)
+                    eval_pipeline((acc_ref, chk_ref) if fused else acc_ref)
                     acc = acc_ref[...]
                     if check:
                         plgpu.copy_gmem_to_smem(
@@ -436,7 +488,7 @@ def _kernel(
                         plgpu.barrier_wait(par_barrier.at[wg])
                         acc, status, column = _check_tile(
                             acc,
-                            chk_ref[...],
+                            chk_ref[...] if fused else None,
                             lambda r: layout(par_smem[wg, r], row_layout),
                             settings=settings,
                             iota=iota,
@@ -464,12 +516,12 @@ def _kernel(
                         )
 
             def mma_body(_, a_smem, b_smem, *rest):
-                if check:
+                if fused:
                     bc_smem, (acc_ref, chk_ref) = rest
                 else:
                     (acc_ref,) = rest
                 plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem)
-                if check:
+                if fused:
                     # The tile's expected row sums: A·Bc, 8 columns, from the same A panel.
                     bc_operand = bc_smem if interpret else bc_smem.transpose((1, 0))
                     plgpu.wgmma(chk_ref, a_smem.at[wg_rows], bc_operand)
@@ -477,7 +529,7 @@ def _kernel(
                 return rest[-1]
 
             inputs = [a_gmem.at[bi, cta_rows, :], b_gmem.at[bi, :, cols]]
-            if check:
+            if fused:
                 inputs.append(bc_panel(bi, ni))
             pipeline(mma_body, compute_context)(*inputs, allocations=pipeline_allocs)
 
@@ -509,13 +561,17 @@ def _check_tile(acc, chk, param, *, settings: KernelSettings, iota):
     # Scaled before summing: a line of large finite values can overflow its unscaled sum.
     sum_e = jnp.sum(acc * weight_e, axis=1)
     sum_w = jnp.sum(acc * weight_w, axis=1)
-    chk_col = iota((tm, CHECK_COLUMNS), 1)
-    expected_e = jnp.sum(
-        jnp.where((chk_col >= _E_PARTS[0]) & (chk_col < _E_PARTS[1]), chk, 0.0), axis=1
-    )
-    expected_w = jnp.sum(
-        jnp.where((chk_col >= _W_PARTS[0]) & (chk_col < _W_PARTS[1]), chk, 0.0), axis=1
-    )
+    if chk is None:  # computed before the kernel (checksum_gemm="separate")
+        expected_e = param(settings.expected_rows)
+        expected_w = param(settings.expected_rows + 1)
+    else:
+        chk_col = iota((tm, CHECK_COLUMNS), 1)
+        expected_e = jnp.sum(
+            jnp.where((chk_col >= _E_PARTS[0]) & (chk_col < _E_PARTS[1]), chk, 0.0), axis=1
+        )
+        expected_w = jnp.sum(
+            jnp.where((chk_col >= _W_PARTS[0]) & (chk_col < _W_PARTS[1]), chk, 0.0), axis=1
+        )
     dev_e = sum_e - expected_e
     dev_w = sum_w - expected_w
     # `<=` is false for NaN: a NaN deviation flags its row.
@@ -649,6 +705,8 @@ def _launch(a, b, bc, params, *, settings: KernelSettings, num_sms: int, interpr
     out_type = [jax.ShapeDtypeStruct((batch, m, n), settings.out_dtype)]
     if settings.check:
         out_type.append(jax.ShapeDtypeStruct((batch, n // bs.tile_n, 2, m), jnp.float32))
+        if not settings.fused_checksums:
+            bc = jnp.zeros((1, 1, 1), a.dtype)  # unused: the expected sums are parameters
     else:
         # Unused placeholders keep one kernel signature.
         bc = jnp.zeros((1, 1, 1), a.dtype)
@@ -679,7 +737,7 @@ def reference_kernel(
     every tile, with the products computed by XLA (float32 accumulation).
 
     Takes and returns what :func:`call_kernel` does (``bc`` in the interpret layout,
-    ``[batch, K, tiles·8]``).
+    ``[batch, K, tiles·8]``; unused with ``checksum_gemm="separate"``).
     """
     batch, m, _ = a.shape
     n = b.shape[2]
@@ -687,18 +745,23 @@ def reference_kernel(
     tiles_m, tiles_n = m // tm, n // tn
     hi = lax.Precision.HIGHEST
     acc = jnp.einsum("bmk,bkn->bmn", a, b, preferred_element_type=jnp.float32, precision=hi)
-    chk = jnp.einsum("bmk,bkc->bmc", a, bc, preferred_element_type=jnp.float32, precision=hi)
     # Tiles as a leading axis: [batch, tiles_m, tiles_n, tm, ...].
     acc_t = acc.reshape(batch, tiles_m, tm, tiles_n, tn).transpose(0, 1, 3, 2, 4)
-    chk_t = chk.reshape(batch, tiles_m, tm, tiles_n, CHECK_COLUMNS).transpose(0, 1, 3, 2, 4)
     rows = params.shape[2]
     par_t = params.reshape(batch, tiles_n, rows, tiles_m, tm).transpose(0, 3, 1, 2, 4)
-
-    def one(acc, chk, par):
-        iota = lambda shape, axis: lax.broadcasted_iota(jnp.int32, shape, axis)
-        return _check_tile(acc, chk, lambda r: par[r], settings=settings, iota=iota)
-
-    fixed, state, column = jax.vmap(jax.vmap(jax.vmap(one)))(acc_t, chk_t, par_t)
+    iota = lambda shape, axis: lax.broadcasted_iota(jnp.int32, shape, axis)
+    check = functools.partial(_check_tile, settings=settings, iota=iota)
+    each_tile = lambda f: jax.vmap(jax.vmap(jax.vmap(f)))
+    if settings.fused_checksums:
+        chk = jnp.einsum("bmk,bkc->bmc", a, bc, preferred_element_type=jnp.float32, precision=hi)
+        chk_t = chk.reshape(batch, tiles_m, tm, tiles_n, CHECK_COLUMNS).transpose(0, 1, 3, 2, 4)
+        fixed, state, column = each_tile(lambda acc, chk, par: check(acc, chk, lambda r: par[r]))(
+            acc_t, chk_t, par_t
+        )
+    else:
+        fixed, state, column = each_tile(lambda acc, par: check(acc, None, lambda r: par[r]))(
+            acc_t, par_t
+        )
     c = fixed.transpose(0, 1, 3, 2, 4).reshape(batch, m, n).astype(settings.out_dtype)
     # [batch, tiles_m, tiles_n, tm] -> [batch, tiles_n, 2, M]
     status = jnp.stack([state, column], axis=3)  # [batch, tiles_m, tiles_n, 2, tm]

@@ -13,6 +13,8 @@ Three layers, fastest first:
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import os
 import subprocess
@@ -60,9 +62,14 @@ def _assert_close(actual, expected, dtype):
     np.testing.assert_allclose(x, y, rtol=rtol, atol=atol * max(1.0, float(np.max(np.abs(y)))))
 
 
-@jax.jit
-def _emulated(a, b, plan):
-    return matmul.checked_matmul(a, b, plan=plan, site=SITE, block_sizes=SMALL, emulate=True)
+CHECKSUM_GEMMS = list(matmul_mgpu.CHECKSUM_GEMMS)
+
+
+@functools.partial(jax.jit, static_argnames="checksum_gemm")
+def _emulated(a, b, plan, checksum_gemm="fused"):
+    return matmul.checked_matmul(
+        a, b, plan=plan, site=SITE, block_sizes=SMALL, emulate=True, checksum_gemm=checksum_gemm
+    )
 
 
 def _plan(*faults):
@@ -76,6 +83,8 @@ def test_block_sizes_are_validated():
         BlockSizes(tile_k=32)
     with pytest.raises(ValueError, match="max_concurrent_steps"):
         BlockSizes(max_concurrent_steps=1)
+    with pytest.raises(ValueError, match="checksum_gemm='inline'"):
+        matmul_mgpu.KernelSettings(out_dtype=jnp.bfloat16, checksum_gemm="inline")
     with pytest.raises(ValueError, match=r"\[B, M, K\]"):
         matmul.checked_matmul(jnp.ones((2, 3, 4)), jnp.ones((2, 5, 4)))
 
@@ -91,8 +100,9 @@ def test_split_checksum_is_float32_exact():
         assert relative <= 2**-24
 
 
+@pytest.mark.parametrize("checksum_gemm", CHECKSUM_GEMMS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_clean_runs_never_alarm_across_magnitudes(dtype):
+def test_clean_runs_never_alarm_across_magnitudes(dtype, checksum_gemm):
     """Operands from tiny to huge (as far as the dtype's range keeps C finite): no alarm, and
     C is the XLA product rounded once."""
     if dtype == jnp.bfloat16:
@@ -101,7 +111,7 @@ def test_clean_runs_never_alarm_across_magnitudes(dtype):
         scales = [(1e-2, 1e-1), (1.0, 1.0), (10.0, 20.0), (1e-1, 30.0)]
     for i, (sa, sb) in enumerate(scales):
         a, b = _operands(dtype, scale_a=sa, scale_b=sb, seed=i)
-        c, counts = _emulated(a, b, None)
+        c, counts = _emulated(a, b, None, checksum_gemm)
         assert counts.tolist() == [0, 0, 0, 0], (sa, sb)
         _assert_close(c, _clean(a, b, dtype), dtype)
 
@@ -121,8 +131,9 @@ def _exponent_msb(dtype) -> int:
     return {jnp.bfloat16: 14, jnp.float16: 14}[dtype]
 
 
+@pytest.mark.parametrize("checksum_gemm", CHECKSUM_GEMMS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_faults_in_several_tiles_are_corrected_exactly(dtype):
+def test_faults_in_several_tiles_are_corrected_exactly(dtype, checksum_gemm):
     a, b = _operands(dtype)
     n = SHAPE[3]
     faults = []
@@ -131,7 +142,7 @@ def test_faults_in_several_tiles_are_corrected_exactly(dtype):
         bit = _exponent_msb(dtype) if bit is None else bit
         faults.append(Fault(site=SITE, kind=kind, index=flat, bit=bit))
     clean = _clean(a, b, dtype)
-    c, counts = _emulated(a, b, _plan(*faults))
+    c, counts = _emulated(a, b, _plan(*faults), checksum_gemm)
     # One fault per tile: each tile detected and corrected.
     assert counts.tolist() == [len(FAULTS), len(FAULTS), 0, 0]
     # Corrected elements are recomputed, not rebuilt from checksums: equal to the clean C.
@@ -158,12 +169,20 @@ def test_two_errors_in_one_row_are_uncorrectable():
     assert not np.isfinite(np.asarray(c[0, 5, 2], np.float32))  # left for the step decision
 
 
-def test_detect_only_counts_and_leaves_c():
+@pytest.mark.parametrize("checksum_gemm", CHECKSUM_GEMMS)
+def test_detect_only_counts_and_leaves_c(checksum_gemm):
     dtype = jnp.bfloat16
     a, b = _operands(dtype)
     plan = _plan(Fault(site=SITE, kind="inf", index=17))
     c, counts = matmul.checked_matmul(
-        a, b, plan=plan, site=SITE, correct=False, block_sizes=SMALL, emulate=True
+        a,
+        b,
+        plan=plan,
+        site=SITE,
+        correct=False,
+        block_sizes=SMALL,
+        emulate=True,
+        checksum_gemm=checksum_gemm,
     )
     assert counts.tolist() == [1, 0, 1, 0]
     assert np.isinf(np.asarray(c, np.float32).reshape(-1)[17])
@@ -180,11 +199,12 @@ def test_located_beyond_capacity_counts_uncorrectable():
     assert counts.tolist() == [2, 1, 1, 0]
 
 
-def test_nonfinite_inputs_are_their_own_outcome():
+@pytest.mark.parametrize("checksum_gemm", CHECKSUM_GEMMS)
+def test_nonfinite_inputs_are_their_own_outcome(checksum_gemm):
     dtype = jnp.bfloat16
     a, b = _operands(dtype)
     a = a.at[0, 10, 3].set(jnp.inf)
-    c, counts = _emulated(a, b, None)
+    c, counts = _emulated(a, b, None, checksum_gemm)
     # Row 10 of matrix 0 is non-finite in all three column tiles: three tiles, inputs to blame.
     assert counts.tolist() == [3, 0, 0, 3]
     assert not np.all(np.isfinite(np.asarray(c[0, 10], np.float32)))
@@ -241,7 +261,7 @@ def test_recompute_and_count_is_branch_free():
 # --- The kernel itself -------------------------------------------------------------------------
 
 
-def _lower_for_h100(check: bool, plan, correct: bool = True):
+def _lower_for_h100(check: bool, plan, correct: bool = True, checksum_gemm: str = "fused"):
     from jax.sharding import AbstractDevice, AbstractMesh
 
     device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
@@ -250,7 +270,14 @@ def _lower_for_h100(check: bool, plan, correct: bool = True):
 
     def f(a, b, plan):
         return matmul.checked_matmul(
-            a, b, check=check, correct=correct, plan=plan, site=SITE, interpret=False
+            a,
+            b,
+            check=check,
+            correct=correct,
+            plan=plan,
+            site=SITE,
+            checksum_gemm=checksum_gemm,
+            interpret=False,
         )
 
     with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=device)):
@@ -259,15 +286,21 @@ def _lower_for_h100(check: bool, plan, correct: bool = True):
 
 @pytest.mark.lowering
 @pytest.mark.parametrize(
-    "check,correct", [(True, True), (True, False), (False, False)],
-    ids=["checked", "detect-only", "unchecked"],
+    "check,correct,checksum_gemm",
+    [
+        (True, True, "fused"), (True, False, "fused"),
+        (True, True, "separate"), (True, False, "separate"),
+        (False, False, "fused"),
+    ],
+    ids=["checked", "detect-only", "checked-separate", "detect-only-separate", "unchecked"],
 )  # fmt: skip
-def test_kernel_lowers_for_sm90a(check, correct):
+def test_kernel_lowers_for_sm90a(check, correct, checksum_gemm):
     """Pallas -> Mosaic GPU dialect -> layout inference for sm_90 -> lowered MLIR that
     verifies, within Hopper's shared memory: the WGMMAs (the narrow one included), TMA
     pipeline, epilogue and its branch to the location of flagged rows are all accepted. PTX
     and SASS are produced on the GPU only."""
-    text = _lower_for_h100(check, _plan(Fault(site=SITE, kind="inf", index=5)), correct)
+    plan = _plan(Fault(site=SITE, kind="inf", index=5))
+    text = _lower_for_h100(check, plan, correct, checksum_gemm)
     calls = [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
     assert len(calls) == 1
     assert ("checked_matmul" if check else "matmul") in text
@@ -308,10 +341,11 @@ _INTERPRET_SCRIPT = textwrap.dedent(
         b = jnp.asarray(operands[name + "/b"]).astype(name)
         run = lambda **kw: matmul.checked_matmul(
             a, b, site=spec["site"], block_sizes=block_sizes, interpret=True, **kw)
-        c, counts = run(plan=plan)
+        for gemm in spec["checksum_gemms"]:
+            c, counts = run(plan=plan, checksum_gemm=gemm)
+            results[name + "/" + gemm + "/c"] = np.asarray(c, np.float32)
+            results[name + "/" + gemm + "/counts"] = np.asarray(counts)
         plain, _ = run(check=False)
-        results[name + "/c"] = np.asarray(c, np.float32)
-        results[name + "/counts"] = np.asarray(counts)
         results[name + "/unchecked"] = np.asarray(plain, np.float32)
     np.savez(sys.argv[3], **results)
     print("interpret ok")
@@ -327,9 +361,10 @@ INTERPRET_LIMIT_S = 240
 @pytest.mark.slow
 def test_kernel_in_gpu_interpret_mode_matches_the_xla_path_and_the_emulation(tmp_path):
     """The kernel itself, interpreted on the CPU (Mosaic GPU interpret mode; its persistent loop
-    over 2 programs with 3 tiles each, two K panels, padding), checked and unchecked, for both
-    dtypes: counters equal the emulation's and the XLA path's, values equal the emulation's and
-    ``jnp.dot``'s, and the corrupted elements are corrected to the clean ones."""
+    over 2 programs with 3 tiles each, two K panels, padding), checked (with the checksum GEMM
+    fused and separate) and unchecked, for both dtypes: counters equal the emulation's and
+    the XLA path's, values equal the emulation's and ``jnp.dot``'s, and the corrupted elements
+    are corrected to the clean ones."""
     n = SHAPE[3]
     faults = [
         Fault(site=SITE, kind=kind, index=(bi * SHAPE[1] + row) * n + col, bit=14)
@@ -344,6 +379,7 @@ def test_kernel_in_gpu_interpret_mode_matches_the_xla_path_and_the_emulation(tmp
     np.savez(tmp_path / "operands.npz", **operands)
     spec = {
         "dtypes": names,
+        "checksum_gemms": CHECKSUM_GEMMS,
         "site": SITE,
         "block_sizes": {"tile_m": SMALL.tile_m, "tile_n": SMALL.tile_n, "max_concurrent_steps": 2},
         "faults": [
@@ -366,21 +402,21 @@ def test_kernel_in_gpu_interpret_mode_matches_the_xla_path_and_the_emulation(tmp
     assert "interpret ok" in done.stdout
     kernel = np.load(tmp_path / "kernel.npz")
     plan = _plan(*faults)
-    for dtype, name in zip(DTYPES, names, strict=True):
+    for (dtype, name), gemm in itertools.product(zip(DTYPES, names, strict=True), CHECKSUM_GEMMS):
         a, b = _operands(dtype)
         clean = _clean(a, b, dtype)
-        emulated, emulated_counts = _emulated(a, b, plan)
+        emulated, emulated_counts = _emulated(a, b, plan, gemm)
         _, xla_counts = matmul.checked_matmul_reference(a, b, plan=plan, site=SITE)
-        counts = kernel[name + "/counts"].tolist()
+        got, counts = kernel[f"{name}/{gemm}/c"], kernel[f"{name}/{gemm}/counts"].tolist()
         assert counts == emulated_counts.tolist() == xla_counts.tolist() == [2, 2, 0, 0], name
-        _assert_close(kernel[name + "/c"], emulated, dtype)
-        _assert_close(kernel[name + "/c"], clean, dtype)
+        _assert_close(got, emulated, dtype)
+        _assert_close(got, clean, dtype)
         for _, bi, row, col in INTERPRET_FAULTS:
             np.testing.assert_allclose(
-                kernel[name + "/c"][bi, row, col],
+                got[bi, row, col],
                 float(clean[bi, row, col]),
                 rtol=2 ** -jnp.finfo(dtype).nmant,
-                err_msg=f"{name}: element {(bi, row, col)} not corrected",
+                err_msg=f"{name}, {gemm}: element {(bi, row, col)} not corrected",
             )
         _assert_close(kernel[name + "/unchecked"], clean, dtype)
 
