@@ -126,9 +126,12 @@ def recompute_and_count(
     column = status[bi[:, None], tj[:, None], 1, rows]
     located = ((state == LOCATED) & taken_ok[:, None]).reshape(-1).astype(jnp.int32)
     used, slots = _first(located, min(max_recomputed, located.size))
-    tile_of, within = slots // tile_m, slots % tile_m
+    tile_of, within = lax.div(slots, tile_m), lax.rem(slots, tile_m)  # slots >= 0
     e_b, e_row = bi[tile_of], rows[tile_of, within]
     e_col = tj[tile_of] * tile_n + column.reshape(-1)[slots].astype(jnp.int32)
+    # The elements' coordinates, computed once: fused into the gathers and the scatter below,
+    # XLA would recompute them for every element those read, and compile slowly.
+    e_b, e_row, e_col = lax.optimization_barrier((e_b, e_row, e_col))
     # Located rows and columns are inside the matrix; the clamps only touch unused slots.
     fresh = recompute_elements(a, b, e_b, jnp.minimum(e_row, m - 1), jnp.minimum(e_col, n - 1))
     write_at = jnp.where(used, e_b, batch)  # unused slots point outside and are dropped
