@@ -11,6 +11,7 @@ is rounded to the output dtype:
   its ``m64nNk16`` WGMMAs plus **one narrow WGMMA**, ``A_panel · Bc_panel`` with ``Bc`` eight
   columns wide, into a second ``[tile_m, 8]`` accumulator: the tile's expected row sums, from
   the operands, at ``8 / tile_n`` of the tile's tensor-core work and no extra read of ``A``.
+  ``KernelSettings(checksum_gemm="separate")`` leaves that product to XLA, before the kernel.
 * **Bc** (:func:`checksum_columns`, computed once per call by XLA from ``B``): per tile of
   ``tile_n`` columns, the column-group sums ``Be = B[:, tile]·e`` and the index-weighted sums
   ``Bw = B[:, tile]·(1..tile_n)``, each multiplied by a power of two per tile (exact) and split
@@ -20,15 +21,13 @@ is rounded to the output dtype:
 * **Epilogue, per output tile**, on the accumulator in registers: the row sums and the
   index-weighted row sums of ``acc``, compared with the expected sums against thresholds from
   the tolerance model of :mod:`sdcguard.protection._tolerance` for a float32 result
-  (:func:`tile_parameters`, computed by XLA per row and tile). A tile with no flagged row
-  (almost every tile) stops there: what follows runs behind a branch on the whole tile, and a
-  detection-only kernel does not compile it. A flagged row with one non-finite or near-INF
-  element is located directly; otherwise the column is the ratio of the
-  weighted to the plain deviation. The located element is rebuilt in registers from the row
-  checksum and the rest of the row, and the rebuilt row is verified against the weighted
-  checksum; then the tile is rounded to the output dtype and stored. Each row's status
-  (clean, located, uncorrectable, non-finite inputs) and located column go out as two floats
-  per row, ``[batch, N / tile_n, 2, M]``.
+  (:func:`tile_parameters`, computed by XLA per row and tile). A detection-only kernel stops
+  there. A flagged row with one non-finite or near-INF element is located directly; otherwise
+  the column is the ratio of the weighted to the plain deviation. The located element is
+  rebuilt in registers from the row checksum and the rest of the row, and the rebuilt row is
+  verified against the weighted checksum; then the tile is rounded to the output dtype and
+  stored. Each row's status (clean, located, uncorrectable, non-finite inputs) and located
+  column go out as two floats per row, ``[batch, N / tile_n, 2, M]``.
 
 The rebuilt value is only as exact as the checksums (float32 round-off of the whole row); the
 host (:mod:`sdcguard.protection.pallas.matmul`) recomputes every located element from its row
@@ -585,17 +584,14 @@ def _check_tile(acc, chk, param, *, settings: KernelSettings, iota):
         )
         return acc, status, jnp.full_like(flagged, -1.0)
 
-    def locate_and_rebuild(acc):
-        return _rebuild_rows(
-            acc, col, flagged, upstream, (dev_e, dev_w), (expected_e, expected_w),
-            (scale_e, scale_w), (threshold_e, threshold_w), near_inf=near_inf,
-        )  # fmt: skip
-
-    def clean(acc):
-        return acc, jnp.zeros_like(flagged), jnp.full_like(flagged, -1.0)
-
-    # A clean tile (almost every tile) pays for its two row sums alone.
-    return lax.cond(jnp.max(flagged) > 0.0, locate_and_rebuild, clean, acc)
+    # Every tile runs the location; the rows that did not flag come back unchanged. A branch
+    # on "any row of the tile flagged" would skip it on clean tiles, but that predicate is a
+    # reduction across the warpgroup's warps, whose shared-memory scratch Mosaic GPU places at
+    # one offset for both consumer warpgroups: they would race (docs/pallas.md).
+    return _rebuild_rows(
+        acc, col, flagged, upstream, (dev_e, dev_w), (expected_e, expected_w),
+        (scale_e, scale_w), (threshold_e, threshold_w), near_inf=near_inf,
+    )  # fmt: skip
 
 
 def _rebuild_rows(acc, col, flagged, upstream, dev, expected, scale, threshold, *, near_inf):

@@ -130,7 +130,7 @@ def recompute_and_count(
     e_b, e_row = bi[tile_of], rows[tile_of, within]
     e_col = tj[tile_of] * tile_n + column.reshape(-1)[slots].astype(jnp.int32)
     # The elements' coordinates, computed once: fused into the gathers and the scatter below,
-    # XLA would recompute them for every element those read, and compile slowly.
+    # XLA would recompute them for every element those read.
     e_b, e_row, e_col = lax.optimization_barrier((e_b, e_row, e_col))
     # Located rows and columns are inside the matrix; the clamps only touch unused slots.
     fresh = recompute_elements(a, b, e_b, jnp.minimum(e_row, m - 1), jnp.minimum(e_col, n - 1))

@@ -296,9 +296,9 @@ def _lower_for_h100(check: bool, plan, correct: bool = True, checksum_gemm: str 
 )  # fmt: skip
 def test_kernel_lowers_for_sm90a(check, correct, checksum_gemm):
     """Pallas -> Mosaic GPU dialect -> layout inference for sm_90 -> lowered MLIR that
-    verifies, within Hopper's shared memory: the WGMMAs (the narrow one included), TMA
-    pipeline, epilogue and its branch to the location of flagged rows are all accepted. PTX
-    and SASS are produced on the GPU only."""
+    verifies, within Hopper's shared memory: the WGMMAs (the narrow one included, when fused),
+    TMA pipeline and epilogue (with the location, or without it for detection only) are all
+    accepted. PTX and SASS are produced on the GPU only."""
     plan = _plan(Fault(site=SITE, kind="inf", index=5))
     text = _lower_for_h100(check, plan, correct, checksum_gemm)
     calls = [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
