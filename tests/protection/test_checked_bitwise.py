@@ -29,7 +29,11 @@ def _mixed_loss(model, tokens):  # float32 parameters, computed in bf16
 
 
 @pytest.mark.xfail(_PINNED_DIFFERS, reason="pinned float32 accumulation on XLA:CPU", strict=True)
-@pytest.mark.parametrize("mixed", [False, True], ids=["bf16", "f32-params-bf16-compute"])
+@pytest.mark.parametrize(
+    "mixed",
+    [pytest.param(False, marks=pytest.mark.slow), True],  # pure bf16 with -m slow
+    ids=["bf16", "f32-params-bf16-compute"],
+)
 def test_equinox_bf16_clean_checked_gradients_equal_plain_ones(mixed):
     model = equinox_model.Transformer(num_layers=2)
     model = model if mixed else _bf16(model)

@@ -349,7 +349,15 @@ def flax_example_case():
 MODELS = {"gemma-nnx": gemma_case, "equinox": equinox_case, "flax-example": flax_example_case}
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
+# The Flax-example LM runs with -m slow here; the default run corrects faults in a linen LM
+# written the same way in test_checked.py.
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(name, marks=pytest.mark.slow) if name == "flax-example" else name
+        for name in MODELS
+    ],
+)
 def model_step(request):
     import equinox as eqx
 

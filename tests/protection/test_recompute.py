@@ -35,7 +35,7 @@ def control_flow(compiled_text: str) -> dict[str, int]:
         (ABFTConfig(), 0, "grouped"),
         # One cond per GEMM: also pinned on a smaller step (test_grouped_repairs).
         pytest.param(ABFTConfig(group_repairs=False), 0, 1, marks=pytest.mark.slow),
-        (ABFTConfig(repair="branch_free"), 0, 0),
+        pytest.param(ABFTConfig(repair="branch_free"), 0, 0, marks=pytest.mark.slow),
         (ABFTConfig(recompute=True), 1, 0),
     ],
     ids=["plain", "detect-only", "in-place", "in-place-per-gemm", "branch-free", "recompute"],
