@@ -20,6 +20,7 @@ import argparse
 import collections
 import gzip
 import json
+import math
 import re
 import sys
 import time
@@ -81,34 +82,114 @@ def compile_for(device, fn, args):
     return lowered.compile()
 
 
+_ARRAY = re.compile(r"\b(pred|bf16|[suf]\d+)\[([\d,]*)\]")
+_OPERANDS = re.compile(r"%([\w.\-]+)")
+# Kernels that compute a GEMM: XLA:GPU's Triton GEMM fusions, and custom calls (cuBLAS, the
+# Mosaic GPU kernels of ``implementation="pallas"``).
+_GEMM_KINDS = ("gemm_fusion", "custom-call")
+# Control flow runs kernels of its own (counted in its computations), not one of its own.
+_CONTROL_FLOW = {"conditional", "while", "call"}
+
+
+def array_bytes(hlo_type: str) -> int:
+    """Bytes of the arrays in an HLO type (``bf16[8,4]{1,0}``, or a tuple of them)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(hlo_type):
+        bits = {"pred": 8, "bf16": 16}.get(dtype) or int(dtype[1:])
+        total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+    return total
+
+
 def kernels(hlo: str) -> list[dict]:
-    """The entry computation's kernel-launching instructions: name, kind, check site or None."""
+    """The entry computation's kernel-launching instructions.
+
+    Each as ``{"name", "kind", "site", "reads", "writes", "operands"}``: the check site it runs
+    for (None: the step's own), the bytes of its operands and of its result, and the names of
+    its operands. The bytes bound what the kernel moves: an operand it only slices counts
+    whole, and a fusion that also writes a tensor the step needs (a check's reduction fused
+    with a ``convert`` the GEMM reads) counts that output to the check.
+    """
     entry = hlo[hlo.index("\nENTRY") :].split("\n")[1:]
-    out = []
+    types, out = {}, []
     for line in entry:
         m = _INSTRUCTION.match(line)
-        if not m or m.group(3) in _NO_KERNEL:
+        if not m:
             continue
-        name, _, op = m.groups()
+        name, hlo_type, op = m.groups()
+        types[name] = hlo_type
+        if op in _NO_KERNEL:
+            continue
         op_name = re.search(r'op_name="([^"]*)"', line)
         site = _CHECK.search(op_name.group(1)) if op_name else None
         kind = name.rsplit(".", 1)[0] if op == "fusion" else op
-        out.append({"name": name, "kind": kind, "site": site.group(1) if site else None})
+        args = line[m.end() :].split(")", 1)[0]
+        operands = [x for x in _OPERANDS.findall(args) if x in types]
+        moves = op not in _CONTROL_FLOW
+        out.append(
+            {
+                "name": name,
+                "kind": kind,
+                "site": site.group(1) if site else None,
+                "reads": sum(array_bytes(types[x]) for x in operands) if moves else 0,
+                "writes": array_bytes(hlo_type) if moves else 0,
+                "operands": operands,
+            }
+        )
     return out
 
 
-def inventory(hlo: str) -> dict:
-    """Kernels in all, the checks' kernels, per site and per kind."""
+def inventory(hlo: str, *, top: int = 8) -> dict:
+    """Kernels in all, the checks' kernels per site and per kind, and the bytes they move.
+
+    ``total_bytes`` sums the reads and writes of every kernel (:func:`kernels` says what the
+    bytes bound): the variant's minus the plain step's is what the checks add.
+    ``check_bytes`` and ``step_bytes`` split it between the checks' kernels and the step's
+    own, so a check fused with the step's work counts that work too.
+    ``gemm_outputs_checked_bytes`` is the size of the GEMM outputs the checks read: the least
+    that checks which read each output once can add. ``reread`` lists the ``top`` largest
+    tensors that several check kernels read, each read beyond the first a pass that a shared
+    reduction could save.
+    """
     ks = kernels(hlo)
     checks = [k for k in ks if k["site"]]
     per_site = collections.Counter(k["site"] for k in checks)
+    site_bytes = collections.Counter()
+    readers = collections.defaultdict(list)
+    sizes = {}
+    for k in checks:
+        site_bytes[k["site"]] += k["reads"] + k["writes"]
+    entry_types = _entry_types(hlo)
+    for k in checks:
+        for x in set(k["operands"]):
+            readers[x].append(k["site"])
+            sizes[x] = array_bytes(entry_types[x])
+    shared = sorted(
+        ((x, sites) for x, sites in readers.items() if len(sites) > 1),
+        key=lambda item: -(len(item[1]) - 1) * sizes[item[0]],
+    )
+    gemms = {k["name"] for k in ks if k["kind"].startswith(_GEMM_KINDS)}
     return {
         "kernels": len(ks),
         "check_kernels": len(checks),
         "sites": len(per_site),
         "per_site": dict(per_site),
         "per_kind": dict(collections.Counter(k["kind"] for k in checks).most_common()),
+        "total_bytes": sum(k["reads"] + k["writes"] for k in ks),
+        "gemm_outputs_checked_bytes": sum(sizes[x] for x in readers if x in gemms),
+        "check_bytes": sum(site_bytes.values()),
+        "step_bytes": sum(k["reads"] + k["writes"] for k in ks if not k["site"]),
+        "per_site_bytes": dict(site_bytes.most_common()),
+        "reread_bytes": sum((len(sites) - 1) * sizes[x] for x, sites in shared),
+        "reread": [
+            {"tensor": x, "bytes": sizes[x], "sites": sorted(sites)} for x, sites in shared[:top]
+        ],
     }
+
+
+def _entry_types(hlo: str) -> dict[str, str]:
+    """``{instruction: HLO type}`` of the entry computation."""
+    entry = hlo[hlo.index("\nENTRY") :].split("\n")[1:]
+    return {m.group(1): m.group(2) for line in entry if (m := _INSTRUCTION.match(line))}
 
 
 def after_pass_inventory(device, m: int, k: int, n: int) -> dict:
@@ -135,6 +216,25 @@ def after_pass_inventory(device, m: int, k: int, n: int) -> dict:
     lowered = jax.jit(after, donate_argnums=2).trace(*specs).lower(lowering_platforms=("cuda",))
     ks = kernels(lowered.compile().as_text())
     return {"kernels": len(ks), "per_kind": dict(collections.Counter(k["kind"] for k in ks))}
+
+
+def _traffic(inv: dict, plain: dict | None) -> str:
+    """One line on the bytes a variant's kernels move (:func:`inventory`)."""
+    gb = 1e9
+    line = f"kernels move {inv['total_bytes'] / gb:.2f} GB"
+    if plain is not None and inv["check_kernels"]:
+        added = inv["total_bytes"] - plain["total_bytes"]
+        line += (
+            f", {added / gb:.2f} GB more than plain; the checked GEMMs' outputs are "
+            f"{inv['gemm_outputs_checked_bytes'] / gb:.2f} GB"
+        )
+    if inv["reread"]:
+        line += f"; tensors read by several checks: {inv['reread_bytes'] / gb:.2f} GB again"
+        line += ", the largest " + ", ".join(
+            f"{r['tensor']} ({r['bytes'] / gb:.2f} GB: {' & '.join(r['sites'])})"
+            for r in inv["reread"][:3]
+        )
+    return line
 
 
 def main() -> int:
@@ -181,6 +281,7 @@ def main() -> int:
             f"({per:.2f} per check); {inv['per_kind']}",
             flush=True,
         )
+        print(f"  {_traffic(inv, result.get('plain'))}", flush=True)
         if args.site:
             for k in kernels(hlo):
                 if k["site"] and re.search(args.site, k["site"]):

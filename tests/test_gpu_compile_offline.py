@@ -70,6 +70,76 @@ def test_each_kernel_is_counted_under_its_check():
     assert inv["per_kind"] == {"input_reduce_fusion": 1, "loop_not_fusion": 1}
 
 
+# A GEMM whose bf16 output two checks read (the scale's reduction and the row sums), and the
+# step's own elementwise kernel.
+TRAFFIC_MODULE = "\n".join(
+    [
+        "HloModule jit_step",
+        "",
+        "%fused (p: bf16[8,16]) -> f32[8] {",
+        "  %p = bf16[8,16]{1,0} parameter(0)",
+        "  ROOT %r = f32[8]{0} reduce(%p), dimensions={1}",
+        "}",
+        "",
+        "ENTRY %main (x: bf16[8,4], w: f32[4,16]) -> (bf16[8,16], pred[]) {",
+        "  %x = bf16[8,4]{1,0} parameter(0)",
+        "  %w = f32[4,16]{1,0} parameter(1)",
+        "  %gemm_fusion_dot.1 = bf16[8,16]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused, "
+        f"{_meta('jit(step)/a/b/dot_general')}",
+        "  %input_reduce_fusion.2 = (f32[8]{0}, f32[8]{0}) fusion(%gemm_fusion_dot.1), "
+        f"kind=kInput, calls=%fused, {_meta(CHECK + ']/reduce')}",
+        "  %input_reduce_fusion.3 = f32[] fusion(%gemm_fusion_dot.1, %x), kind=kInput, "
+        f"calls=%fused, {_meta(CHECK + '.grad_lhs]/reduce')}",
+        "  %loop_not_fusion = pred[] fusion(%input_reduce_fusion.3), kind=kLoop, "
+        f"calls=%fused, {_meta(CHECK + '.grad_lhs]/not')}",
+        "  %loop_add_fusion = bf16[8,16]{1,0} fusion(%gemm_fusion_dot.1), kind=kLoop, "
+        f"calls=%fused, {_meta('jit(step)/a/add')}",
+        "  %conditional.4 = bf16[8,16]{1,0} conditional(%loop_not_fusion, %loop_add_fusion), "
+        f"branch_computations={{%fused}}, {_meta(CHECK + ']/cond')}",
+        "  ROOT %tuple.5 = (bf16[8,16]{1,0}, pred[]) tuple(%conditional.4, %loop_not_fusion)",
+        "}",
+        "",
+    ]
+)
+
+
+def test_the_bytes_each_kernel_moves_are_its_operands_and_its_result():
+    moved = {k["name"]: (k["reads"], k["writes"]) for k in gpu_compile_offline.kernels(
+        TRAFFIC_MODULE
+    )}  # fmt: skip
+    gemm_out = 8 * 16 * 2  # bf16
+    assert moved == {
+        "gemm_fusion_dot.1": (8 * 4 * 2 + 4 * 16 * 4, gemm_out),
+        "input_reduce_fusion.2": (gemm_out, 2 * 8 * 4),  # a tuple of two f32[8]
+        "input_reduce_fusion.3": (gemm_out + 8 * 4 * 2, 4),
+        "loop_not_fusion": (4, 1),
+        "loop_add_fusion": (gemm_out, gemm_out),
+        "conditional.4": (0, 0),  # its branches' kernels move the bytes
+    }
+    inv = gpu_compile_offline.inventory(TRAFFIC_MODULE)
+    assert inv["total_bytes"] == sum(r + w for r, w in moved.values())
+    assert inv["check_bytes"] + inv["step_bytes"] == inv["total_bytes"]
+    assert inv["step_bytes"] == sum(moved["gemm_fusion_dot.1"]) + sum(moved["loop_add_fusion"])
+    assert inv["gemm_outputs_checked_bytes"] == gemm_out  # read twice, counted once
+    # The GEMM's output is read by two checks (once more than a shared pass would); x only by
+    # one check (the GEMM is the step's).
+    assert inv["reread"] == [
+        {
+            "tensor": "gemm_fusion_dot.1",
+            "bytes": gemm_out,
+            "sites": ["a|b:dot_general", "a|b:dot_general.grad_lhs"],
+        }
+    ]
+    assert inv["reread_bytes"] == gemm_out
+
+
+def test_array_bytes_reads_every_dtype_and_tuple():
+    assert gpu_compile_offline.array_bytes("bf16[8,1024]{1,0}") == 8 * 1024 * 2
+    assert gpu_compile_offline.array_bytes("(f32[3]{0}, s8[5]{0}, pred[2]{0})") == 12 + 5 + 2
+    assert gpu_compile_offline.array_bytes("f16[]") == 2
+    assert gpu_compile_offline.array_bytes("f64[2,2]{1,0}") == 32
+
+
 def _has_cuda_plugin() -> bool:
     return importlib.util.find_spec("jax_plugins") is not None and (
         importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
@@ -91,6 +161,9 @@ def test_the_checked_step_compiles_for_an_h200_without_one(tmp_path):
     detect = inv["detect only"]
     assert detect["sites"] > 0 and detect["check_kernels"] >= detect["sites"]
     assert detect["kernels"] > inv["plain"]["kernels"]
+    # The checks read each checked GEMM's output at least once.
+    added = detect["total_bytes"] - inv["plain"]["total_bytes"]
+    assert added >= detect["gemm_outputs_checked_bytes"] > 0
 
 
 @pytest.mark.skipif(
