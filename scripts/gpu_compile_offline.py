@@ -146,7 +146,8 @@ def inventory(hlo: str, *, top: int = 8) -> dict:
     ``check_bytes`` and ``step_bytes`` split it between the checks' kernels and the step's
     own, so a check fused with the step's work counts that work too.
     ``gemm_outputs_checked_bytes`` is the size of the GEMM outputs the checks read: the least
-    that checks which read each output once can add. ``reread`` lists the ``top`` largest
+    that checks which read each output once can add. ``branch_copies`` counts the copies
+    inside conditionals (:func:`branch_copies`). ``reread`` lists the ``top`` largest
     tensors that several check kernels read, each read beyond the first a pass that a shared
     reduction could save.
     """
@@ -176,6 +177,7 @@ def inventory(hlo: str, *, top: int = 8) -> dict:
         "per_kind": dict(collections.Counter(k["kind"] for k in checks).most_common()),
         "total_bytes": sum(k["reads"] + k["writes"] for k in ks),
         "gemm_outputs_checked_bytes": sum(sizes[x] for x in readers if x in gemms),
+        "branch_copies": branch_copies(hlo),
         "check_bytes": sum(site_bytes.values()),
         "step_bytes": sum(k["reads"] + k["writes"] for k in ks if not k["site"]),
         "per_site_bytes": dict(site_bytes.most_common()),
@@ -184,6 +186,36 @@ def inventory(hlo: str, *, top: int = 8) -> dict:
             {"tensor": x, "bytes": sizes[x], "sites": sorted(sites)} for x, sites in shared[:top]
         ],
     }
+
+
+def branch_copies(hlo: str) -> dict:
+    """The copies inside the branches of the entry computation's conditionals.
+
+    A branch that returns its operand unchanged compiles to a copy of it when XLA gives the
+    conditional's output a buffer of its own: such copies run on every call that takes the
+    branch (a clean step, for the repair's and recomputation's conditionals).
+
+    Returns:
+      ``{"copies": n, "bytes": written}``.
+    """
+    branches = set()
+    for line in hlo[hlo.index("\nENTRY") :].split("\n")[1:]:
+        if " conditional(" in line:
+            branches.update(re.findall(r"(?:true|false)_computation=%([\w.\-]+)", line))
+            listed = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if listed:
+                branches.update(x.strip().lstrip("%") for x in listed.group(1).split(","))
+    copies, written, inside = 0, 0, False
+    for line in hlo.split("\n"):
+        header = re.match(r"^(?:ENTRY )?%([\w.\-]+) .*\{$", line)
+        if header:
+            inside = header.group(1) in branches
+            continue
+        m = _INSTRUCTION.match(line)
+        if inside and m and m.group(3) == "copy":
+            copies += 1
+            written += array_bytes(m.group(2))
+    return {"copies": copies, "bytes": written}
 
 
 def _entry_types(hlo: str) -> dict[str, str]:
@@ -228,6 +260,9 @@ def _traffic(inv: dict, plain: dict | None) -> str:
             f", {added / gb:.2f} GB more than plain; the checked GEMMs' outputs are "
             f"{inv['gemm_outputs_checked_bytes'] / gb:.2f} GB"
         )
+    if inv["branch_copies"]["copies"]:
+        copies = inv["branch_copies"]
+        line += f"; {copies['copies']} copies ({copies['bytes'] / gb:.2f} GB) in conditionals"
     if inv["reread"]:
         line += f"; tensors read by several checks: {inv['reread_bytes'] / gb:.2f} GB again"
         line += ", the largest " + ", ".join(

@@ -133,6 +133,40 @@ def test_the_bytes_each_kernel_moves_are_its_operands_and_its_result():
     assert inv["reread_bytes"] == gemm_out
 
 
+def test_branch_copies_counts_the_copies_inside_conditionals_only():
+    module = "\n".join(
+        [
+            "HloModule jit_step",
+            "",
+            "%keep (p: (bf16[8,16], s32[4])) -> (bf16[8,16], s32[4]) {",
+            "  %p = (bf16[8,16]{1,0}, s32[4]{0}) parameter(0)",
+            "  %get-tuple-element.1 = bf16[8,16]{1,0} get-tuple-element(%p), index=0",
+            "  %copy.2 = bf16[8,16]{1,0} copy(%get-tuple-element.1)",
+            "  %get-tuple-element.3 = s32[4]{0} get-tuple-element(%p), index=1",
+            "  ROOT %tuple.4 = (bf16[8,16]{1,0}, s32[4]{0}) tuple(%copy.2, %get-tuple-element.3)",
+            "}",
+            "",
+            "%again (q: (bf16[8,16], s32[4])) -> (bf16[8,16], s32[4]) {",
+            "  ROOT %q = (bf16[8,16]{1,0}, s32[4]{0}) parameter(0)",
+            "}",
+            "",
+            "ENTRY %main (x: bf16[8,16], n: s32[4], i: s32[]) -> (bf16[8,16], s32[4]) {",
+            "  %x = bf16[8,16]{1,0} parameter(0)",
+            "  %n = s32[4]{0} parameter(1)",
+            "  %i = s32[] parameter(2)",
+            "  %copy.5 = bf16[8,16]{1,0} copy(%x)",
+            "  %tuple.6 = (bf16[8,16]{1,0}, s32[4]{0}) tuple(%copy.5, %n)",
+            "  ROOT %conditional.7 = (bf16[8,16]{1,0}, s32[4]{0}) conditional(%i, %tuple.6, "
+            "%tuple.6), branch_computations={%keep, %again}",
+            "}",
+            "",
+        ]
+    )
+    # The entry's own copy is not a conditional's.
+    assert gpu_compile_offline.branch_copies(module) == {"copies": 1, "bytes": 8 * 16 * 2}
+    assert gpu_compile_offline.branch_copies(TRAFFIC_MODULE) == {"copies": 0, "bytes": 0}
+
+
 def test_array_bytes_reads_every_dtype_and_tuple():
     assert gpu_compile_offline.array_bytes("bf16[8,1024]{1,0}") == 8 * 1024 * 2
     assert gpu_compile_offline.array_bytes("(f32[3]{0}, s8[5]{0}, pred[2]{0})") == 12 + 5 + 2
@@ -155,7 +189,8 @@ def test_the_checked_step_compiles_for_an_h200_without_one(tmp_path):
     env = {**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), str(SCRIPT.parent)])
     command = [sys.executable, str(SCRIPT), "--size", "tiny", "--out", str(out)]
-    subprocess.run([*command, "--variants", "plain", "detect only"], check=True, env=env)
+    variants = ["plain", "detect only", "in place", "recompute"]
+    subprocess.run([*command, "--variants", *variants], check=True, env=env)
     inv = json.loads(out.read_text())
     assert inv["plain"]["check_kernels"] == 0
     detect = inv["detect only"]
@@ -164,6 +199,12 @@ def test_the_checked_step_compiles_for_an_h200_without_one(tmp_path):
     # The checks read each checked GEMM's output at least once.
     added = detect["total_bytes"] - inv["plain"]["total_bytes"]
     assert added >= detect["gemm_outputs_checked_bytes"] > 0
+    # A clean step copies nothing through a conditional: the repairs' (predicated) pass C on
+    # in place, the recomputation's (indexed) the step's outputs; it copies only the stacked
+    # int32 [sites, 4] counters it merges (a predicated one copied every output).
+    assert inv["in place"]["branch_copies"] == {"copies": 0, "bytes": 0}
+    recompute = inv["recompute"]
+    assert recompute["branch_copies"]["bytes"] <= recompute["sites"] * 4 * 4
 
 
 @pytest.mark.skipif(

@@ -2,9 +2,9 @@
 
 Both computations only detect, a fault plan strikes the first only, and the counters say what
 the recomputation corrected. The control flow follows ``ABFTConfig.repair``: behind a
-``lax.cond`` (``"cond"``, the GPU's default: a clean step is the step and one predicate, inside
-the step's CUDA graph; two copies of the step are compiled), or as a ``while`` loop of one or
-two trips around one copy of the step (elsewhere).
+conditional (``"cond"``, the GPU's default: a clean step is the step and one predicate, inside
+the step's CUDA graph, and copies none of its outputs; two copies of the step are compiled),
+or as a ``while`` loop of one or two trips around one copy of the step (elsewhere).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from sdcguard import fault_model as inject
+from sdcguard._in_place import indexed_cond
 from sdcguard.protection import _sharding as sharding
 from sdcguard.protection._checks import recompute_strategy
 from sdcguard.protection._config import ABFTConfig, Counts, unsafe_checks
@@ -115,7 +116,8 @@ def _recompute_behind_cond(program: Program, detect_only: ABFTConfig) -> tuple[l
         return outs, first
 
     detected = jnp.sum(unsafe_checks(first)) > 0
-    outs, merged = jax.lax.cond(detected, again, keep, (outs, inputs))
+    # Indexed, not predicated: a clean step passes the step's outputs on without copying them.
+    outs, merged = indexed_cond(detected, again, keep, (outs, inputs))
     return outs, unravel(merged.reshape(-1))
 
 
