@@ -104,8 +104,8 @@ def kernels(hlo: str) -> list[dict]:
     """The entry computation's kernel-launching instructions.
 
     Each as ``{"name", "kind", "site", "reads", "writes", "operands"}``: the check site it runs
-    for (None: the step's own), the bytes of its operands and of its result, and the names of
-    its operands. The bytes bound what the kernel moves: an operand it only slices counts
+    for (None: the step's own), the bytes of its operands and of its result, and its operands
+    (``{name: bytes}``). The bytes bound what the kernel moves: an operand it only slices counts
     whole, and a fusion that also writes a tensor the step needs (a check's reduction fused
     with a ``convert`` the GEMM reads) counts that output to the check.
     """
@@ -123,14 +123,14 @@ def kernels(hlo: str) -> list[dict]:
         site = _CHECK.search(op_name.group(1)) if op_name else None
         kind = name.rsplit(".", 1)[0] if op == "fusion" else op
         args = line[m.end() :].split(")", 1)[0]
-        operands = [x for x in _OPERANDS.findall(args) if x in types]
+        operands = {x: array_bytes(types[x]) for x in _OPERANDS.findall(args) if x in types}
         moves = op not in _CONTROL_FLOW
         out.append(
             {
                 "name": name,
                 "kind": kind,
                 "site": site.group(1) if site else None,
-                "reads": sum(array_bytes(types[x]) for x in operands) if moves else 0,
+                "reads": sum(operands.values()) if moves else 0,
                 "writes": array_bytes(hlo_type) if moves else 0,
                 "operands": operands,
             }
@@ -159,11 +159,10 @@ def inventory(hlo: str, *, top: int = 8) -> dict:
     sizes = {}
     for k in checks:
         site_bytes[k["site"]] += k["reads"] + k["writes"]
-    entry_types = _entry_types(hlo)
     for k in checks:
-        for x in set(k["operands"]):
+        for x, size in k["operands"].items():
             readers[x].append(k["site"])
-            sizes[x] = array_bytes(entry_types[x])
+            sizes[x] = size
     shared = sorted(
         ((x, sites) for x, sites in readers.items() if len(sites) > 1),
         key=lambda item: -(len(item[1]) - 1) * sizes[item[0]],
@@ -216,12 +215,6 @@ def branch_copies(hlo: str) -> dict:
             copies += 1
             written += array_bytes(m.group(2))
     return {"copies": copies, "bytes": written}
-
-
-def _entry_types(hlo: str) -> dict[str, str]:
-    """``{instruction: HLO type}`` of the entry computation."""
-    entry = hlo[hlo.index("\nENTRY") :].split("\n")[1:]
-    return {m.group(1): m.group(2) for line in entry if (m := _INSTRUCTION.match(line))}
 
 
 def after_pass_inventory(device, m: int, k: int, n: int) -> dict:

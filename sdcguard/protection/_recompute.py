@@ -2,9 +2,9 @@
 
 Both computations only detect, a fault plan strikes the first only, and the counters say what
 the recomputation corrected. The control flow follows ``ABFTConfig.repair``: behind a
-conditional (``"cond"``, the GPU's default: a clean step is the step and one predicate, inside
-the step's CUDA graph, and copies none of its outputs; two copies of the step are compiled),
-or as a ``while`` loop of one or two trips around one copy of the step (elsewhere).
+conditional (``"cond"``, the GPU's default: a clean step is the step and one predicate, with no
+host sync and no copy of its outputs; two copies of the step are compiled), or as a ``while``
+loop of one or two trips around one copy of the step (elsewhere).
 """
 
 from __future__ import annotations
