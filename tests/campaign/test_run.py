@@ -314,6 +314,9 @@ def test_false_positives_of_unchecked_gemms_count_zero(tmp_path, monkeypatch):
     assert fp["why_unchecked"] == {"listed as checked, absent from the report": 2}
 
 
+# The console's log mode (whole tables, plain progress lines) runs in the default run through
+# ``sdcguard demo`` (tests/test_demo.py); the campaign's own headers, with -m slow.
+@pytest.mark.slow
 def test_campaign_output_in_a_log_is_whole(tmp_path, monkeypatch):
     """``sdcguard campaign > log``: whole headers (not ``protec…``) and progress lines."""
     import sys

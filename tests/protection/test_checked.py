@@ -258,8 +258,10 @@ SLOW_CASES = {"gpt"}
 
 # The encoder's faults run in the default run as a campaign (tests/campaign/test_models.py:
 # scores, a backward projection and an MLP output, bf16); its three whole-step INFs here run
-# with -m slow, its clean parity in the default run.
-SLOW_FAULT_CASES = SLOW_CASES | {"encoder"}
+# with -m slow, its clean parity in the default run. The Equinox model's three INFs (the same
+# model, the same three site classes) run in the default run in tests/protection/test_gemm.py's
+# users' models; here with -m slow.
+SLOW_FAULT_CASES = SLOW_CASES | {"encoder", "equinox"}
 
 
 def _marked(names):
