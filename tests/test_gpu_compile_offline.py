@@ -104,9 +104,8 @@ TRAFFIC_MODULE = "\n".join(
 
 
 def test_the_bytes_each_kernel_moves_are_its_operands_and_its_result():
-    moved = {k["name"]: (k["reads"], k["writes"]) for k in gpu_compile_offline.kernels(
-        TRAFFIC_MODULE
-    )}  # fmt: skip
+    kernels = gpu_compile_offline.kernels(TRAFFIC_MODULE)
+    moved = {k["name"]: (k["reads"], k["writes"]) for k in kernels}
     gemm_out = 8 * 16 * 2  # bf16
     assert moved == {
         "gemm_fusion_dot.1": (8 * 4 * 2 + 4 * 16 * 4, gemm_out),
