@@ -159,7 +159,6 @@ def inventory(hlo: str, *, top: int = 8) -> dict:
     sizes = {}
     for k in checks:
         site_bytes[k["site"]] += k["reads"] + k["writes"]
-    for k in checks:
         for x, size in k["operands"].items():
             readers[x].append(k["site"])
             sizes[x] = size
