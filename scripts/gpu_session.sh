@@ -16,6 +16,10 @@
 #   3. ABFT flash attention against cuDNN at seq 2048: the Triton kernels and `checked` over
 #      cuDNN's (the Mosaic kernel only where it is not recorded as failing; issue 36, item 3);
 #   4. the step with the Mosaic GPU kernels: its compile time and step time (issue 36, item 4).
+#
+# SECTIONS picks and orders the sections (default "step kernels attention pallas_step");
+# STEP_S, KERNELS_S, ATTENTION_S and PALLAS_S their time limits; PALLAS_VARIANTS ("|" between
+# names) the pallas step's checked variants (default "in place, pallas").
 set -u
 cd "$(dirname "$0")"
 out="${OUT:-../runs/gpu_session}"
@@ -43,19 +47,37 @@ section() {  # section NAME SECONDS COMMAND...
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>/dev/null
 } >"$out/device.txt" 2>&1
 cat "$out/device.txt"
-section step 300 "$python" bench_gpu.py "${force[@]}" --dtypes bfloat16 --rounds 5 --no-gemms \
-  --variants plain "detect only" "in place" recompute \
-  --trace "${TRACE_DIR:-/tmp/sdcguard_trace}" --attribute plain "detect only" "in place" \
-  --inject "in place" recompute --out "$out/step.json"
-kernels=(--rounds 5 --device-time "${TRACE_DIR:-/tmp/sdcguard_trace}/kernels")
-if [[ "${FORCE:-0}" == 1 ]]; then
-  kernels+=(--force)
-else  # the four shapes of issue 36, in its order
-  kernels+=(--shapes 8192x1024x4096 8192x4096x1024 "lm logits" "lm logits grad_rhs")
-fi
-section kernels 150 "$python" bench_gpu_kernels.py "${kernels[@]}" --out "$out/kernels.json"
-section attention 60 "$python" bench_gpu_attention.py --seqs 2048 --rounds 5 --inner 3 \
-  --out "$out/attention.json"
-section pallas_step 60 "$python" bench_gpu.py "${force[@]}" --dtypes bfloat16 --rounds 3 \
-  --no-gemms --variants plain "in place, pallas" --inject --out "$out/pallas_step.json"
+step() {
+  section step "${STEP_S:-300}" "$python" bench_gpu.py "${force[@]}" --dtypes bfloat16 \
+    --rounds 5 --no-gemms --variants plain "detect only" "in place" recompute \
+    --trace "${TRACE_DIR:-/tmp/sdcguard_trace}" --attribute plain "detect only" "in place" \
+    --inject "in place" recompute --out "$out/step.json"
+}
+kernels() {
+  local args=(--rounds 5 --device-time "${TRACE_DIR:-/tmp/sdcguard_trace}/kernels")
+  if [[ "${FORCE:-0}" == 1 ]]; then
+    args+=(--force)
+  else  # the four shapes of issue 36, in its order
+    args+=(--shapes 8192x1024x4096 8192x4096x1024 "lm logits" "lm logits grad_rhs")
+  fi
+  section kernels "${KERNELS_S:-150}" "$python" bench_gpu_kernels.py "${args[@]}" \
+    --out "$out/kernels.json"
+}
+attention() {
+  section attention "${ATTENTION_S:-60}" "$python" bench_gpu_attention.py --seqs 2048 \
+    --rounds 5 --inner 3 --out "$out/attention.json"
+}
+pallas_step() {
+  local variants
+  IFS='|' read -ra variants <<<"${PALLAS_VARIANTS:-in place, pallas}"
+  section pallas_step "${PALLAS_S:-60}" "$python" bench_gpu.py "${force[@]}" \
+    --dtypes bfloat16 --rounds 3 --no-gemms --variants plain "${variants[@]}" --inject \
+    --out "$out/pallas_step.json"
+}
+for name in ${SECTIONS:-step kernels attention pallas_step}; do
+  case $name in
+    step | kernels | attention | pallas_step) "$name" ;;
+    *) echo "unknown section $name (step, kernels, attention, pallas_step)" >&2 ;;
+  esac
+done
 ls -la "$out"
