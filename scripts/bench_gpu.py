@@ -196,15 +196,25 @@ def bench_lm(
         print(f"{jnp.dtype(dtype).name} {name}: compiled in {compile_s[name]:.1f} s", flush=True)
         if hlo_dir is not None:
             _write_hlo(hlo_dir, f"{jnp.dtype(dtype).name} {name}", hlo[name])
-    alarms = {}
+    alarms, alarm_sites, losses = {}, {}, {}
     for name in names:
         out = jax.block_until_ready(fns[name]())
         if VARIANTS[name] is not None:
-            alarms[name] = np.asarray(sdcguard.total(out[1])).tolist()
-        print(f"{jnp.dtype(dtype).name} {name}: ran, alarms {alarms.get(name, '-')}", flush=True)
+            out, report = out
+            alarms[name] = np.asarray(sdcguard.total(report)).tolist()
+            alarm_sites[name] = sites_that_alarmed(report)
+        losses[name] = float(out[2])
+        print(
+            f"{jnp.dtype(dtype).name} {name}: ran, loss {losses[name]:.6f}, alarms "
+            f"{alarms.get(name, '-')}"
+            + "".join(f"\n  {site}: {counts}" for site, counts in alarm_sites.get(name, {}).items()),
+            flush=True,
+        )
     times = interleaved({n: per_call(f, 3) for n, f in fns.items()}, rounds)
     summary = overheads(times, base="plain")
-    result.update(overheads=summary, clean_alarms=alarms)
+    result.update(
+        overheads=summary, clean_alarms=alarms, clean_alarm_sites=alarm_sites, clean_losses=losses
+    )
     for name, s in summary.items():
         print(
             f"{jnp.dtype(dtype).name} {name}: {s['median_s'] * 1e3:.2f} ms, {_ratio(s)}", flush=True
@@ -239,6 +249,13 @@ def bench_lm(
         for name in (n for n in inject if n in names):
             faults[name] = corrected_faults(step, args, sites, VARIANTS[name])
     return result
+
+
+def sites_that_alarmed(report) -> dict[str, list[int]]:
+    """``{site: [detected, corrected, uncorrectable, nonfinite_input]}`` of the report's sites
+    that counted anything (summed over a scan's iterations), in the report's order."""
+    counts = {site: np.asarray(c).reshape(-1, 4).sum(axis=0) for site, c in report.items()}
+    return {site: c.tolist() for site, c in counts.items() if c.any()}
 
 
 def _write_hlo(folder: Path, name: str, text: str) -> None:
