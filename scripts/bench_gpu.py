@@ -204,10 +204,10 @@ def bench_lm(
             alarms[name] = np.asarray(sdcguard.total(report)).tolist()
             alarm_sites[name] = sites_that_alarmed(report)
         losses[name] = float(out[2])
+        sites = alarm_sites.get(name, {}).items()
         print(
             f"{jnp.dtype(dtype).name} {name}: ran, loss {losses[name]:.6f}, alarms "
-            f"{alarms.get(name, '-')}"
-            + "".join(f"\n  {site}: {counts}" for site, counts in alarm_sites.get(name, {}).items()),
+            f"{alarms.get(name, '-')}" + "".join(f"\n  {site}: {c}" for site, c in sites),
             flush=True,
         )
     times = interleaved({n: per_call(f, 3) for n, f in fns.items()}, rounds)

@@ -15,10 +15,12 @@
 #      variant's kernels' device time from a profile beside its wall time (issue 36, item 2);
 #   3. ABFT flash attention against cuDNN at seq 2048: the Triton kernels and `checked` over
 #      cuDNN's (the Mosaic kernel only where it is not recorded as failing; issue 36, item 3);
-#   4. the step with the Mosaic GPU kernels: its compile time and step time (issue 36, item 4).
+#   4. the step with the Mosaic GPU kernels: its compile time and step time (issue 36, item 4);
+#   5. alarms: the Mosaic checked GEMM on clean data, over K and the pipeline's depth, then on
+#      the LM's attention contractions (scripts/gpu_clean_alarms.py; not in the default list).
 #
 # SECTIONS picks and orders the sections (default "step kernels attention pallas_step");
-# STEP_S, KERNELS_S, ATTENTION_S and PALLAS_S their time limits; PALLAS_VARIANTS ("|" between
+# STEP_S, KERNELS_S, ATTENTION_S, PALLAS_S and ALARMS_S their time limits; PALLAS_VARIANTS ("|" between
 # names) the pallas step's checked variants (default "in place, pallas").
 set -u
 cd "$(dirname "$0")"
@@ -74,10 +76,14 @@ pallas_step() {
     --dtypes bfloat16 --rounds 3 --no-gemms --variants plain "${variants[@]}" --inject \
     --out "$out/pallas_step.json"
 }
+alarms() {
+  section alarms "${ALARMS_S:-120}" bash -c "'$python' gpu_clean_alarms.py --sweep && \
+    '$python' gpu_clean_alarms.py"
+}
 for name in ${SECTIONS:-step kernels attention pallas_step}; do
   case $name in
-    step | kernels | attention | pallas_step) "$name" ;;
-    *) echo "unknown section $name (step, kernels, attention, pallas_step)" >&2 ;;
+    step | kernels | attention | pallas_step | alarms) "$name" ;;
+    *) echo "unknown section $name (step, kernels, attention, pallas_step, alarms)" >&2 ;;
   esac
 done
 ls -la "$out"

@@ -58,6 +58,8 @@ def test_forced_it_runs_end_to_end_at_the_tiny_size(tmp_path):
     assert set(lm["compile_s"]) == set(variants)
     for counts in lm["clean_alarms"].values():
         assert counts == [0, 0, 0, 0]
+    assert lm["clean_alarm_sites"] == {"in place": {}}  # no site counted anything
+    assert lm["clean_losses"]["in place"] == lm["clean_losses"]["plain"]
     faults = lm["faults"]["in place"]
     assert len(faults) == 2
     for fault in faults.values():
@@ -82,11 +84,19 @@ def test_forced_full_run_at_the_tiny_size(tmp_path):
     assert json.loads(out.read_text())["failed"] == []
 
 
-def _trace_summary():
-    spec = importlib.util.spec_from_file_location("trace_summary", SCRIPTS / "trace_summary.py")
+def _load(name: str):
+    """The script ``scripts/<name>.py`` as a module (its own imports from ``scripts/`` too)."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.append(str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def _trace_summary():
+    return _load("trace_summary")
 
 
 def test_a_trace_says_where_the_device_time_goes(tmp_path):
@@ -174,3 +184,16 @@ def test_a_trace_attributes_device_time_to_each_layers_checks(tmp_path):
 )
 def test_check_group_names_a_checks_site_or_layer_and_direction(op_name, group):
     assert _trace_summary().check_group(op_name) == group
+
+
+def test_sites_that_alarmed_names_each_site_that_counted_with_its_sums():
+    bench_gpu = _load("bench_gpu")
+    report = {
+        "clean": jnp.zeros((3, 4), jnp.int32),  # a scan's three iterations
+        "alarmed": jnp.array([[1, 0, 1, 0], [2, 0, 2, 0]], jnp.int32),
+        "corrected": jnp.array([1, 1, 0, 0], jnp.int32),
+    }
+    assert bench_gpu.sites_that_alarmed(report) == {
+        "alarmed": [3, 0, 3, 0],
+        "corrected": [1, 1, 0, 0],
+    }
