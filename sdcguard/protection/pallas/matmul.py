@@ -209,6 +209,7 @@ def checked_matmul(
             correct=correct,
             near_inf=near_inf,
             checksum_gemm=checksum_gemm,
+            safety=safety,
         )
         c, counts = _kernel_path(
             a,

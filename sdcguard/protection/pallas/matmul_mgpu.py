@@ -21,7 +21,9 @@ is rounded to the output dtype:
 * **Epilogue, per output tile**, on the accumulator in registers: the row sums and the
   index-weighted row sums of ``acc``, compared with the expected sums against thresholds from
   the tolerance model of :mod:`sdcguard.protection._tolerance` for a float32 result
-  (:func:`tile_parameters`, computed by XLA per row and tile). A detection-only kernel stops
+  (:func:`tile_parameters`, computed by XLA per row and tile), plus what rounding the tile to
+  a narrower output dtype moves the row by (``u_out·Σ|acc|``, as the XLA path's check allows
+  a bf16 or fp16 ``C``: :attr:`KernelSettings.output_rounding`). A detection-only kernel stops
   there. A flagged row with one non-finite or near-INF element is located directly; otherwise
   the column is the ratio of the weighted to the plain deviation. The located element is
   rebuilt in registers from the row checksum and the rest of the row, and the rebuilt row is
@@ -61,7 +63,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sdcguard.fault_model import NEAR_INF
 from sdcguard.protection._checksums import power_of_two_below, reduce_together
-from sdcguard.protection._tolerance import scaled_line_threshold
+from sdcguard.protection._tolerance import (
+    narrower_than_float32,
+    rounding_of,
+    scaled_line_threshold,
+    unit_roundoff,
+)
 from sdcguard.protection.pallas._tiles import finite, split3
 
 # Columns of the checksum operand per tile: (e hi, e mid, e lo, w hi, w mid, w lo, 0, 0).
@@ -142,6 +149,8 @@ class KernelSettings:
         ``A·Bc`` before the kernel (:func:`expected_row_sums`), and the kernel reads each
         tile's expected sums with its parameters (the last two rows of the block), so its
         main loop is the plain GEMM's.
+      safety: ``ABFTConfig.safety``, for :attr:`output_rounding` (the thresholds of
+        :func:`tile_parameters` take it too).
 
     Example:
       >>> KernelSettings(out_dtype=jnp.bfloat16, block_sizes=BlockSizes())
@@ -154,6 +163,7 @@ class KernelSettings:
     near_inf: float = NEAR_INF
     num_faults: int = 0
     checksum_gemm: str = "fused"
+    safety: float = 1.0
 
     def __post_init__(self):
         if self.checksum_gemm not in CHECKSUM_GEMMS:
@@ -167,6 +177,22 @@ class KernelSettings:
         set_("near_inf", float(self.near_inf) if self.check else 0.0)
         set_("num_faults", int(self.num_faults) if self.check else 0)
         set_("checksum_gemm", self.checksum_gemm if self.check else "fused")
+        set_("safety", float(self.safety) if self.check else 1.0)
+
+    @property
+    def output_rounding(self) -> float:
+        """How far rounding to ``out_dtype`` may move a tile's row sum, as a fraction of the
+        row's ``Σ|acc|`` (0 for a float32 ``C``).
+
+        The epilogue allows a row that much besides the float32 round-off of
+        :func:`tile_parameters`, as the XLA path does for a bf16 or fp16 ``C``
+        (:func:`sdcguard.protection._tolerance.output_rounding`): what the stored output
+        cannot show is not an error, and a GPU's tensor cores sum a tile in an order and with
+        roundings the float32 model does not describe (docs/pallas.md, "Status on GPUs").
+        """
+        if not narrower_than_float32(self.out_dtype):
+            return 0.0
+        return self.safety * rounding_of(unit_roundoff(self.out_dtype))
 
     @property
     def fused_checksums(self) -> bool:
@@ -571,6 +597,9 @@ def _check_tile(acc, chk, param, *, settings: KernelSettings, iota):
         expected_w = jnp.sum(
             jnp.where((chk_col >= _W_PARTS[0]) & (chk_col < _W_PARTS[1]), chk, 0.0), axis=1
         )
+    base_thresholds = (threshold_e, threshold_w)
+    slack_e, slack_w = _rounding_slack(acc, (weight_e, weight_w), settings.output_rounding)
+    threshold_e, threshold_w = threshold_e + slack_e, threshold_w + slack_w
     dev_e = sum_e - expected_e
     dev_w = sum_w - expected_w
     # `<=` is false for NaN: a NaN deviation flags its row.
@@ -590,13 +619,32 @@ def _check_tile(acc, chk, param, *, settings: KernelSettings, iota):
     # one offset for both consumer warpgroups: they would race (docs/pallas.md).
     return _rebuild_rows(
         acc, col, flagged, upstream, (dev_e, dev_w), (expected_e, expected_w),
-        (scale_e, scale_w), (threshold_e, threshold_w), near_inf=near_inf,
+        (scale_e, scale_w), base_thresholds, near_inf=near_inf,
+        output_rounding=settings.output_rounding,
     )  # fmt: skip
 
 
-def _rebuild_rows(acc, col, flagged, upstream, dev, expected, scale, threshold, *, near_inf):
+def _rounding_slack(acc, weights, output_rounding: float):
+    """``output_rounding·Σ|acc|·weight`` per row, for each of the plain and weighted sums: what
+    rounding the row to the output dtype could move it by (zeros when ``output_rounding`` is
+    0). Non-finite elements count nothing (they fail the check by themselves), and a sum that
+    overflows gives no slack."""
+    if not output_rounding:
+        return 0.0, 0.0
+    magnitude = jnp.where(finite(acc), jnp.abs(acc), 0.0)
+    slacks = []
+    for weight in weights:
+        slack = output_rounding * jnp.sum(magnitude * weight, axis=1)
+        slacks.append(jnp.where(finite(slack), slack, 0.0))
+    return tuple(slacks)
+
+
+def _rebuild_rows(
+    acc, col, flagged, upstream, dev, expected, scale, threshold, *, near_inf, output_rounding
+):
     """The flagged rows of a tile: each row's one error located, rebuilt from the row checksum
-    and verified against the weighted one (see :func:`_check_tile`).
+    and verified against the weighted one (see :func:`_check_tile`). ``threshold``: the
+    float32 round-off alone; the verification adds the output rounding of the rebuilt row.
 
     Returns:
       ``(acc, status, column)`` as :func:`_check_tile`.
@@ -641,6 +689,10 @@ def _rebuild_rows(acc, col, flagged, upstream, dev, expected, scale, threshold, 
     # The rebuilt row must also satisfy the weighted checksum (a second, independent equation):
     # this rejects a wrong column and rows with more than one error.
     residual_w = expected_w - rest_w - (column + 1.0) * rebuilt * scale_w
+    # The output rounding of the rebuilt row, the located element's own at its rebuilt value.
+    rebuilt_row = jnp.where(hit, wide(rebuilt), rest)
+    slack_e, slack_w = _rounding_slack(rebuilt_row, (weight_e, weight_w), output_rounding)
+    threshold_e, threshold_w = threshold_e + slack_e, threshold_w + slack_w
     allowed_w = threshold_w + (column + 1.0) * threshold_e * (scale_w / scale_e)
     consistent = jnp.where((jnp.abs(residual_w) <= allowed_w) & finite(rebuilt), usable, 0.0)
     fixed = jnp.where(consistent > 0.0, LOCATED, UNCORRECTABLE)

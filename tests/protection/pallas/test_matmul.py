@@ -116,6 +116,51 @@ def test_clean_runs_never_alarm_across_magnitudes(dtype, checksum_gemm):
         _assert_close(c, _clean(a, b, dtype), dtype)
 
 
+def _tile_epilogue(acc, a, b, out_dtype):
+    """The kernel's epilogue (:func:`matmul_mgpu._check_tile`) on one ``[64, 64]`` tile ``acc``
+    of ``a @ b``, with the checksums and thresholds the host computes from ``a`` and ``b``."""
+    bc, scales, magnitudes = matmul_mgpu.checksum_columns(b, tile_n=64, transposed=False)
+    params = matmul_mgpu.tile_parameters(
+        a, scales, magnitudes, contraction=a.shape[2], tile_n=64, safety=1.0,
+        expected=matmul_mgpu.expected_row_sums(a, bc),
+    )  # fmt: skip
+    settings = matmul_mgpu.KernelSettings(
+        out_dtype=out_dtype, block_sizes=SMALL, checksum_gemm="separate"
+    )
+    iota = lambda shape, axis: jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+    param = lambda r: params[0, 0, r, :64]
+    return matmul_mgpu._check_tile(acc, None, param, settings=settings, iota=iota)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_tile_right_to_the_outputs_precision_raises_no_alarm(dtype):
+    """A GPU's tensor cores sum a tile in their own order and roundings (clean tiles alarmed on
+    an H200 under the float32 round-off model alone). An accumulator off by 2**-12 of each
+    element, one way, is right to a bf16 or fp16 output's precision: no alarm, as the XLA path
+    allows such a C. A float32 output holds those bits, so there it alarms; a fault in the same
+    tile is still located."""
+    a, b = _operands(dtype, shape=(1, 64, 128, 64))
+    exact = jnp.einsum(
+        "bmk,bkn->bmn", a, b, preferred_element_type=jnp.float32, precision="highest"
+    )[0]
+    biased = exact + 2.0**-12 * jnp.abs(exact)
+
+    _, status, _ = _tile_epilogue(biased, a, b, dtype)
+    assert set(np.asarray(status).tolist()) == {matmul_mgpu.CLEAN}
+    _, status, _ = _tile_epilogue(biased, a, b, jnp.float32)
+    assert np.sum(np.asarray(status) != matmul_mgpu.CLEAN) >= 4, np.asarray(status)
+
+    faulty = biased.at[5, 17].add(100.0 * float(jnp.max(jnp.abs(exact))))
+    fixed, status, column = _tile_epilogue(faulty, a, b, dtype)
+    status, column = np.asarray(status), np.asarray(column)
+    assert status[5] == matmul_mgpu.LOCATED and column[5] == 17
+    assert set(np.delete(status, 5).tolist()) == {matmul_mgpu.CLEAN}
+    # Rebuilt from the row checksum, it carries the rest of the row's bias (the host then
+    # recomputes a located element from A and B).
+    rest_bias = 2.0**-12 * (float(jnp.sum(jnp.abs(exact[5]))) - abs(float(exact[5, 17])))
+    assert abs(float(fixed[5, 17]) - float(exact[5, 17])) <= 1.01 * rest_bias + 1e-3
+
+
 # (kind, batch, row, col, bit): corners and edges of the 64x64 tiles, several tiles at once.
 FAULTS = [
     ("inf", 0, 0, 0, 0),  # first corner of the matrix
