@@ -105,11 +105,15 @@ def time_case(case: Case, *, rounds: int, inner: int, warmup: int = 1) -> dict:
     every variant ``inner`` times back to back; the ratio of a round is taken within the
     round, and the median over rounds is reported. Each variant is printed as it is compiled.
     """
+    clean_counts = {}
     for name, fn in case.variants.items():  # compile and warm up
         start = time.perf_counter()
         for _ in range(1 + warmup):
-            _block(fn())
+            out = _block(fn())
         print(f"  {case.name}: {name} compiled and run in {time.perf_counter() - start:.1f} s")
+        clean_counts[name] = counts_of(out)
+        if clean_counts[name] is not None and any(clean_counts[name]):
+            print(f"  {case.name}: {name}: ALARMS ON CLEAN DATA {clean_counts[name]}", flush=True)
     per_round = {name: [] for name in case.variants}
     for _ in range(rounds):
         for name, fn in case.variants.items():
@@ -126,9 +130,21 @@ def time_case(case: Case, *, rounds: int, inner: int, warmup: int = 1) -> dict:
             "tflops": case.flops / statistics.median(ts) / 1e12 if case.flops else None,
             "compile_s": getattr(case.variants[name], "compile_s", None),
             "first_run_s": getattr(case.variants[name], "first_run_s", None),
+            "clean_counts": clean_counts[name],
         }
         for name, ts in per_round.items()
     }
+
+
+def counts_of(out) -> list[int] | None:
+    """The counters of a checked GEMM's output ``(c, counts)`` (its operands are clean: any
+    count is a false alarm), or None for an output without them."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        return None
+    counts = out[1]
+    if getattr(counts, "shape", None) != (4,) or not jnp.issubdtype(counts.dtype, jnp.integer):
+        return None
+    return np.asarray(counts).tolist()
 
 
 def run_cases(
@@ -208,6 +224,9 @@ GEMM_SHAPES = {
         ("lm logits grad_lhs", TOKENS, D_MODEL, VOCAB),
         ("lm logits grad_rhs", D_MODEL, VOCAB, TOKENS),
         ("lm mlp grad_rhs", D_MODEL, D_MLP, TOKENS),
+        # One head's attention scores: its K (the head dim) is one pipeline stage short of
+        # the default depth (clean tiles alarmed there on an H200, docs/pallas.md).
+        ("lm attention scores", 1024, 1024, 128),
     ],
     # One tile and one K panel: interpreted, a kernel call takes seconds.
     "tiny": [("tiny", 128, 64, 64)],

@@ -59,8 +59,9 @@ kernels() {
   local args=(--rounds 5 --device-time "${TRACE_DIR:-/tmp/sdcguard_trace}/kernels")
   if [[ "${FORCE:-0}" == 1 ]]; then
     args+=(--force)
-  else  # the four shapes of issue 36, in its order
-    args+=(--shapes 8192x1024x4096 8192x4096x1024 "lm logits" "lm logits grad_rhs")
+  else  # the four shapes of issue 36, in its order, and one head's attention scores
+    args+=(--shapes 8192x1024x4096 8192x4096x1024 "lm logits" "lm logits grad_rhs" \
+      "lm attention scores")
   fi
   section kernels "${KERNELS_S:-150}" "$python" bench_gpu_kernels.py "${args[@]}" \
     --out "$out/kernels.json"

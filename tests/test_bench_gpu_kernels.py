@@ -73,6 +73,11 @@ def test_forced_tiny_run_times_each_part_of_the_checked_gemm(tmp_path):
     for name in timed:
         assert rows[name]["ms"] > 0 and rows[name]["compile_s"] > 0, name
         assert f"{rows[name]['case']}: {name}: " in done.stdout, name  # printed as timed
+    # Clean operands: every checked variant counts nothing; cuBLAS has no counters.
+    assert rows["cublas"]["clean_counts"] is None
+    for name in ["checked", "detect_only", *separate, "checked: after"]:
+        assert rows[name]["clean_counts"] == [0, 0, 0, 0], name
+    assert "ALARMS ON CLEAN DATA" not in done.stdout
     parts = [rows[f"checked: {p}"] for p in bench.PARTS]
     assert rows["checked: sum of parts"]["ms"] == pytest.approx(sum(p["ms"] for p in parts))
     traced = report["trace"]["variants"]
@@ -117,6 +122,24 @@ def test_timing_harness_on_tiny_cases():
     assert summed["ms"] == pytest.approx(sum(r["ms"] for r in rows[3:-1]))
     assert all(r["compile_s"] > 0 for r in rows[2:-1])
     bench.print_table(rows, "cpu")
+
+
+def test_a_variant_that_counts_on_clean_data_is_reported(capsys):
+    """A checked GEMM's counters on clean operands are false alarms: recorded in its row and
+    printed as they happen."""
+    bench = _bench()
+    x = jnp.ones((8, 8))
+    alarms = jnp.array([2, 0, 2, 0], jnp.int32)
+    case = bench.Case(
+        name="alarms",
+        baseline="dot",
+        variants={"dot": lambda: jnp.dot(x, x), "checked": lambda: (jnp.dot(x, x), alarms)},
+    )
+    rows = bench.run_cases([case], rounds=1, inner=1, device="cpu", start=time.perf_counter())
+    by_name = {r["variant"]: r for r in rows}
+    assert by_name["dot"]["clean_counts"] is None
+    assert by_name["checked"]["clean_counts"] == [2, 0, 2, 0]
+    assert "alarms: checked: ALARMS ON CLEAN DATA [2, 0, 2, 0]" in capsys.readouterr().out
 
 
 def test_device_time_profiles_each_variant(tmp_path):
