@@ -318,13 +318,22 @@ def line_sums_of_c(c, scale, summed_axes) -> dict[str, jax.Array]:
     """The scaled line sums of ``c`` in one pass over it: ``"sum"`` (``Σ c·scale``) and, for a
     bf16/fp16 ``c``, ``"abs_sum"`` (``Σ |c|·scale``, see :func:`output_rounding`).
 
-    ``scale`` (broadcastable to ``c``) is a power of two, so the scaling is exact.
+    ``scale`` (broadcastable to ``c``) is a power of two, so the scaling is exact. Over
+    several axes on a GPU, the last one is summed first, then the others.
     """
     c32 = c.astype(jnp.float32) * scale
     terms = {"sum": ("sum", c32)}
     if narrower_than_float32(c.dtype):
         terms["abs_sum"] = ("sum", jnp.abs(c32))
-    return reduce_together(terms, summed_axes)
+    summed_axes = tuple(sorted(summed_axes))
+    if len(summed_axes) < 2 or not reductions_share_a_pass():
+        return reduce_together(terms, summed_axes)
+    # On a GPU, over the last axis first, then the rest (a reduction over C's 1/last-length):
+    # XLA:GPU lays a projection's [b, s, h, d] output out as [b, h, s, d] for the attention
+    # that reads it, where h and d are not adjacent, and reduced them together in a slow
+    # strided loop, or after a transpose (docs/performance.md, "What the checks move").
+    last = reduce_together(terms, summed_axes[-1:])
+    return reduce_together({n: ("sum", x) for n, x in last.items()}, summed_axes[:-1])
 
 
 class RowCheck(NamedTuple):
