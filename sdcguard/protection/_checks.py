@@ -208,9 +208,13 @@ def contraction_verdict(
 
 
 def _row_verdict(c, a, b, ct: Contraction, *, config, precision, lhs_nonnegative) -> Verdict:
+    # A detection-only check sums C's rows in steps on a GPU; one that repairs C in place, in
+    # one reduction (compiled for an H200, the steps helped the first and only added kernels
+    # to the second: docs/performance.md, "Since the fourth H200 run").
     rows = row_check(
-        c, a, b, ct, safety=config.safety, precision=precision, lhs_nonnegative=lhs_nonnegative
-    )
+        c, a, b, ct, safety=config.safety, precision=precision,
+        lhs_nonnegative=lhs_nonnegative, sum_rows_in_steps=not config.correct,
+    )  # fmt: skip
     # Per matrix of the batch: rows flattened, [batch..., rows] with the batch letters first.
     row_term = ct.without(ct.rhs_free)
     order = [row_term.index(x) for x in ct.batch + ct.lhs_free]

@@ -314,24 +314,24 @@ def line_checksums(
     return LineChecksums(ref, jnp.abs(summed - ref), threshold, scale)
 
 
-def line_sums_of_c(c, scale, summed_axes) -> dict[str, jax.Array]:
+def line_sums_of_c(c, scale, summed_axes, *, in_steps: bool = False) -> dict[str, jax.Array]:
     """The scaled line sums of ``c`` in one pass over it: ``"sum"`` (``Σ c·scale``) and, for a
     bf16/fp16 ``c``, ``"abs_sum"`` (``Σ |c|·scale``, see :func:`output_rounding`).
 
-    ``scale`` (broadcastable to ``c``) is a power of two, so the scaling is exact. Over
-    several axes on a GPU, the last one is summed first, then the others.
+    ``scale`` (broadcastable to ``c``) is a power of two, so the scaling is exact. With
+    ``in_steps``, over several axes on a GPU, the last one is summed first, then the others.
     """
     c32 = c.astype(jnp.float32) * scale
     terms = {"sum": ("sum", c32)}
     if narrower_than_float32(c.dtype):
         terms["abs_sum"] = ("sum", jnp.abs(c32))
     summed_axes = tuple(sorted(summed_axes))
-    if len(summed_axes) < 2 or not reductions_share_a_pass():
+    if not in_steps or len(summed_axes) < 2 or not reductions_share_a_pass():
         return reduce_together(terms, summed_axes)
-    # On a GPU, over the last axis first, then the rest (a reduction over C's 1/last-length):
-    # XLA:GPU lays a projection's [b, s, h, d] output out as [b, h, s, d] for the attention
-    # that reads it, where h and d are not adjacent, and reduced them together in a slow
-    # strided loop, or after a transpose (docs/performance.md, "What the checks move").
+    # Over the last axis first, then the rest (a reduction over C's 1/last-length): XLA:GPU
+    # lays a projection's [b, s, h, d] output out as [b, h, s, d] for the attention that reads
+    # it, where h and d are not adjacent, and in a detection-only step it summed them together
+    # in a strided loop, or after a transpose (docs/performance.md, "Since the fourth H200 run").
     last = reduce_together(terms, summed_axes[-1:])
     return reduce_together({n: ("sum", x) for n, x in last.items()}, summed_axes[:-1])
 
@@ -381,12 +381,16 @@ class RowCheck(NamedTuple):
         return ~(jnp.abs(self.row_sum - self.ref) <= self.threshold())
 
 
-def row_check(c, a, b, ct: Contraction, *, safety, precision, lhs_nonnegative) -> RowCheck:
+def row_check(
+    c, a, b, ct: Contraction, *, safety, precision, lhs_nonnegative, sum_rows_in_steps=False
+) -> RowCheck:
     """Encodes the row checksums of ``c = einsum(a, b)`` and sums C's rows, one read of each.
 
     The reductions over ``C`` (its row sums, and ``Σ|c|`` for a low-precision C) sum elementwise
     functions of one element along the same axes, as one reduction: one pass over ``C``, which
     is the whole cost of the check beyond the narrow products with ``A`` and ``B``.
+    ``sum_rows_in_steps``: rows of several axes summed the last axis first on a GPU
+    (:func:`line_sums_of_c`).
     """
     dims = ct.sizes(a, b)
     rhs_free_in_b = "".join(x for x in ct.rhs if x in ct.rhs_free)
@@ -394,7 +398,9 @@ def row_check(c, a, b, ct: Contraction, *, safety, precision, lhs_nonnegative) -
         a, ct.lhs, b, ct.rhs, ct, rhs_free_in_b, x_nonnegative=lhs_nonnegative
     )
     summed_axes = axes_of(ct.out, ct.rhs_free)
-    c_sums = line_sums_of_c(c, along(scale, ct.batch, ct.out, c.shape), summed_axes)
+    c_sums = line_sums_of_c(
+        c, along(scale, ct.batch, ct.out, c.shape), summed_axes, in_steps=sum_rows_in_steps
+    )
     row_sum = c_sums["sum"]
     return RowCheck(
         ref=ref,

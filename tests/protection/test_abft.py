@@ -1,5 +1,6 @@
 """The checked contraction: detection, correction, tolerance, on raw einsums."""
 
+import functools
 import re
 
 import jax
@@ -410,12 +411,12 @@ def test_reductions_taken_together_equal_separate_ones(one_pass, monkeypatch):
 @pytest.mark.parametrize("one_pass", [True, False], ids=["one_pass", "separate"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=str)
 def test_line_sums_of_c_over_several_axes(one_pass, dtype, monkeypatch):
-    """C's scaled line sums over a projection's heads and head_dim: on a GPU the last axis is
-    summed first, then the others (two reductions), elsewhere in one; both give the sums."""
+    """C's scaled line sums over a projection's heads and head_dim: in steps on a GPU, the last
+    axis first, then the others (two reductions), else in one; both give the sums."""
     monkeypatch.setattr(_checksums, "reductions_share_a_pass", lambda: one_pass)
     c = jax.random.normal(jax.random.key(3), (2, 5, 4, 8)).astype(dtype)  # [b, s, h, d]
     scale = jnp.float32(0.25)
-    out = _checksums.line_sums_of_c(c, scale, (3, 2))
+    out = _checksums.line_sums_of_c(c, scale, (3, 2), in_steps=True)
     c32 = c.astype(jnp.float32) * scale
     rtol = 1e-6
     np.testing.assert_allclose(out["sum"], jnp.sum(c32, axis=(2, 3)), rtol=rtol, atol=1e-6)
@@ -423,12 +424,14 @@ def test_line_sums_of_c_over_several_axes(one_pass, dtype, monkeypatch):
         assert "abs_sum" not in out
     else:
         np.testing.assert_allclose(out["abs_sum"], jnp.sum(jnp.abs(c32), axis=(2, 3)), rtol=rtol)
-    text = jax.jit(lambda c: _checksums.line_sums_of_c(c, scale, (2, 3))).lower(c).as_text()
-    reductions = text.count("stablehlo.reduce")
-    if one_pass:
-        assert reductions == 2, text
-    else:
-        assert reductions == (1 if dtype == jnp.float32 else 2), text
+    for in_steps in (True, False):
+        sums = functools.partial(_checksums.line_sums_of_c, in_steps=in_steps)
+        text = jax.jit(lambda c, sums=sums: sums(c, scale, (2, 3))).lower(c).as_text()
+        reductions = text.count("stablehlo.reduce")
+        if one_pass:
+            assert reductions == (2 if in_steps else 1), text
+        else:
+            assert reductions == (1 if dtype == jnp.float32 else 2), text
 
 
 def test_reductions_share_a_pass_off_the_cpu_only():
