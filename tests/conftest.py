@@ -6,9 +6,16 @@ optimisation down (about 30% less time on this suite). The results are the same:
 passes run as usual, and LLVM does not reorder floating-point arithmetic at any level (no
 fast-math), so every comparison, bit-for-bit ones included, tests what users run. Benchmarks
 in ``scripts/`` keep XLA's defaults. Flags already in ``XLA_FLAGS`` come last and win.
+
+Importing JAX does not start its backend: the settings below still apply.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
+
+import jax
 
 # Mosaic GPU interpret mode (the kernels' tests) blocks XLA:CPU pool threads in barrier waits
 # and needs at least four of them (sdcguard.protection.pallas._platform.require_interpreter_pool);
@@ -17,3 +24,16 @@ os.environ.setdefault("PJRT_NPROC", "4")
 
 _FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 os.environ["XLA_FLAGS"] = " ".join([*_FAST_COMPILE, os.environ.get("XLA_FLAGS", "")]).strip()
+
+# A persistent compilation cache for this test process alone (a fresh directory, removed at
+# exit): the suite compiles the same programs many times over from new function objects (a
+# test's own jit of a lambda, a fixture per parameter), and XLA's compile is most of its time.
+# The cache's key includes the programs' metadata (op names carry the checks' site names, which
+# tests read back from compiled HLO). Set with jax.config, not the environment, so that the
+# processes tests start (which may run side by side) do not share it.
+_CACHE_DIR = tempfile.mkdtemp(prefix="sdcguard-tests-xla-cache-")
+atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+jax.config.update("jax_compilation_cache_include_metadata_in_key", True)

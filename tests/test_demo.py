@@ -27,6 +27,9 @@ def test_unprotected_breaks_protected_matches_clean(result):
     assert result["counters"] == {"decoder/block_0/attn:scores": [1, 1, 0, 0]}
 
 
+# Three 51-step runs: slow (suite budget). The every-GEMM corrections it shows run in the
+# default run in tests/protection/test_checked.py and the campaigns' tests.
+@pytest.mark.slow
 def test_whole_step_demo_corrects_faults_outside_attention():
     """``--coverage every_gemm``: an attention fault and an MLP fault, every GEMM checked."""
     tiny = GPTConfig(num_layers=1, d_model=32, num_heads=4, seq_len=16)
