@@ -325,6 +325,9 @@ def test_nnx_backward_counters_need_sinks():
 # --- Linen and NNX agree bit for bit ---------------------------------------------------------
 
 
+# Slow (suite budget): each drop-in's parity with Flax runs in the default run
+# (tests/protection/test_linen.py, test_nnx.py).
+@pytest.mark.slow
 def test_linen_and_nnx_dropins_agree_bit_for_bit():
     """Flax's own equivalence test (float16, decoding), on the protected layers, and against
     Flax's layers; scripts/run_flax_attention_suites.py runs all 96 of its cases."""

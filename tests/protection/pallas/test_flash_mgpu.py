@@ -109,8 +109,11 @@ MAGNITUDES = {
 }
 
 
-# fp16 interprets the same kernels as bf16 with a narrower range: slow (suite budget).
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
+# Slow (suite budget): on a GPU `kernel="auto"` runs the Triton kernel (the Mosaic one fails
+# there on jax 0.11.2); this kernel's clean and faulty runs against the XLA path stay in the
+# default run.
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_mosaic_clean_runs_raise_no_alarm_across_magnitudes(dtype):
     """Three batch elements at scores from ~1e-5 to ~1e3 and values from 1e-30 to 1e30 (bf16)
     or 1e-3 to 3e3 (fp16): no false alarm, values equal the reference."""
