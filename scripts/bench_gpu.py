@@ -174,13 +174,16 @@ def bench_lm(
     into: dict | None = None,
     hlo_dir: Path | None = None,
     trace_top: int = 12,
+    measured=None,
 ) -> dict:
-    """The step's variants timed; ``into`` is filled as each part is measured (a run cut short
-    keeps what it measured). ``hlo_dir``: each variant's optimized HLO is written there, gzipped
+    """The step's variants timed; ``into`` is filled as each part is measured, and
+    ``measured()`` (when given) is called after each part, to write it out: a run cut short,
+    even by a kill during a compilation, keeps what it measured. ``hlo_dir``: each variant's optimized HLO is written there, gzipped
     (``<dtype>_<variant>.hlo.txt.gz``, each non-alphanumeric character an underscore): the
     kernels XLA fused, to read without a GPU. ``trace_top``: how many instructions and checks
     each profile keeps, costliest first."""
     result = {} if into is None else into
+    measured = measured or (lambda: None)
     step, args = lm_step(size, dtype)
     defaults = FP32_VARIANTS if dtype == jnp.float32 else BF16_VARIANTS
     # Named variants run as named (the pallas ones only so); fp32 keeps to its own list.
@@ -196,6 +199,7 @@ def bench_lm(
         print(f"{jnp.dtype(dtype).name} {name}: compiled in {compile_s[name]:.1f} s", flush=True)
         if hlo_dir is not None:
             _write_hlo(hlo_dir, f"{jnp.dtype(dtype).name} {name}", hlo[name])
+        measured()
     alarms, alarm_sites, losses = {}, {}, {}
     for name in names:
         out = jax.block_until_ready(fns[name]())
@@ -215,6 +219,7 @@ def bench_lm(
     result.update(
         overheads=summary, clean_alarms=alarms, clean_alarm_sites=alarm_sites, clean_losses=losses
     )
+    measured()
     for name, s in summary.items():
         print(
             f"{jnp.dtype(dtype).name} {name}: {s['median_s'] * 1e3:.2f} ms, {_ratio(s)}", flush=True
@@ -228,6 +233,7 @@ def bench_lm(
                 fns[name], hlo[name], _where(trace_dir, dtype, name), top=trace_top
             )
             _print_trace(dtype, name, traces[name])
+            measured()
         for name in (n for n in attribute if n in names):  # command buffers off: per instruction
             config = VARIANTS[name]
             fn = step if config is None else sdcguard.checked(step, config)
@@ -242,12 +248,14 @@ def bench_lm(
             _print_trace(
                 dtype, name + ", command buffers off", traces[name + ", command buffers off"]
             )
+            measured()
     # Injected faults in the users' compute dtype, after the profiles (a run cut short keeps
     # them): one more compilation of each injected step.
     faults = result["faults"] = {}
     if dtype != jnp.float32:
         for name in (n for n in inject if n in names):
             faults[name] = corrected_faults(step, args, sites, VARIANTS[name])
+            measured()
     return result
 
 
@@ -434,8 +442,13 @@ def main() -> int:
     for key, measure in sections:
         start = time.perf_counter()
         partial = {}
+
+        def write_partial(partial=partial):
+            incomplete = {**partial, "incomplete": True}
+            args.out.write_text(json.dumps({**result, "lm": [*result["lm"], incomplete]}, indent=2))
+
         try:
-            value = measure(into=partial) if key == "lm" else measure()
+            value = measure(into=partial, measured=write_partial) if key == "lm" else measure()
         except (Exception, KeyboardInterrupt) as error:  # keep what was measured, say what not
             failed.append(f"{key}: {type(error).__name__}: {error}")
             console.print_exception(max_frames=8)

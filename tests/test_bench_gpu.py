@@ -67,6 +67,19 @@ def test_forced_it_runs_end_to_end_at_the_tiny_size(tmp_path):
         assert fault["loss"] == fault["clean_loss"]
 
 
+def test_each_part_of_the_step_is_handed_out_as_it_is_measured():
+    """A GPU run cut short by a kill (a compilation does not see the interrupt) keeps what it
+    measured: ``bench_lm`` calls ``measured()`` after each compilation and after the timing."""
+    bench_gpu = _load("bench_gpu")
+    partial, seen = {}, []
+    bench_gpu.bench_lm(
+        "tiny", jnp.float32, 1, ["plain"], into=partial, measured=lambda: seen.append(dict(partial))
+    )
+    assert len(seen) == 2
+    assert set(seen[0]["compile_s"]) == {"plain"} and "overheads" not in seen[0]
+    assert set(seen[1]["overheads"]) == {"plain"}
+
+
 @pytest.mark.slow
 def test_forced_full_run_at_the_tiny_size(tmp_path):
     out = tmp_path / "bench.json"
