@@ -178,10 +178,10 @@ def bench_lm(
 ) -> dict:
     """The step's variants timed; ``into`` is filled as each part is measured, and
     ``measured()`` (when given) is called after each part, to write it out: a run cut short,
-    even by a kill during a compilation, keeps what it measured. ``hlo_dir``: each variant's optimized HLO is written there, gzipped
-    (``<dtype>_<variant>.hlo.txt.gz``, each non-alphanumeric character an underscore): the
-    kernels XLA fused, to read without a GPU. ``trace_top``: how many instructions and checks
-    each profile keeps, costliest first."""
+    even by a kill during a compilation, keeps what it measured. ``hlo_dir``: each variant's
+    optimized HLO is written there, gzipped (``<dtype>_<variant>.hlo.txt.gz``, each
+    non-alphanumeric character an underscore): the kernels XLA fused, to read without a GPU.
+    ``trace_top``: how many instructions and checks each profile keeps, costliest first."""
     result = {} if into is None else into
     measured = measured or (lambda: None)
     step, args = lm_step(size, dtype)

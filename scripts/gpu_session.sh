@@ -17,10 +17,14 @@
 #      cuDNN's (the Mosaic kernel only where it is not recorded as failing; issue 36, item 3);
 #   4. the step with the Mosaic GPU kernels: its compile time and step time (issue 36, item 4);
 #   5. alarms: the Mosaic checked GEMM on clean data, over K and the pipeline's depth, then on
-#      the LM's attention contractions (scripts/gpu_clean_alarms.py; not in the default list).
+#      the LM's attention contractions (scripts/gpu_clean_alarms.py; not in the default list);
+#   6. step_alarms: the same kernel on the step's own attention scores, block by block, against
+#      its emulation on cuBLAS's product (scripts/gpu_step_alarms.py; not in the default list).
 #
 # SECTIONS picks and orders the sections (default "step kernels attention pallas_step");
-# STEP_S, KERNELS_S, ATTENTION_S, PALLAS_S and ALARMS_S their time limits; PALLAS_VARIANTS ("|" between
+# STEP_S, KERNELS_S, ATTENTION_S, PALLAS_S, ALARMS_S and STEP_ALARMS_S their time limits;
+# KERNEL_SHAPES ("|" between shapes) the kernels section's shapes (default: issue 36's four and
+# the attention scores); PALLAS_VARIANTS ("|" between
 # names) the pallas step's checked variants (default "in place, pallas").
 set -u
 cd "$(dirname "$0")"
@@ -60,8 +64,10 @@ kernels() {
   if [[ "${FORCE:-0}" == 1 ]]; then
     args+=(--force)
   else  # the four shapes of issue 36, in its order, and one head's attention scores
-    args+=(--shapes 8192x1024x4096 8192x4096x1024 "lm logits" "lm logits grad_rhs" \
+    local shapes=(8192x1024x4096 8192x4096x1024 "lm logits" "lm logits grad_rhs" \
       "lm attention scores")
+    [[ -n "${KERNEL_SHAPES:-}" ]] && IFS='|' read -ra shapes <<<"$KERNEL_SHAPES"
+    args+=(--shapes "${shapes[@]}")
   fi
   section kernels "${KERNELS_S:-150}" "$python" bench_gpu_kernels.py "${args[@]}" \
     --out "$out/kernels.json"
@@ -81,10 +87,14 @@ alarms() {
   section alarms "${ALARMS_S:-120}" bash -c "'$python' gpu_clean_alarms.py --sweep && \
     '$python' gpu_clean_alarms.py"
 }
+step_alarms() {
+  section step_alarms "${STEP_ALARMS_S:-90}" "$python" gpu_step_alarms.py "${force[@]:0:1}"
+}
 for name in ${SECTIONS:-step kernels attention pallas_step}; do
   case $name in
-    step | kernels | attention | pallas_step | alarms) "$name" ;;
-    *) echo "unknown section $name (step, kernels, attention, pallas_step, alarms)" >&2 ;;
+    step | kernels | attention | pallas_step | alarms | step_alarms) "$name" ;;
+    *) echo "unknown section $name (step, kernels, attention, pallas_step, alarms," \
+      "step_alarms)" >&2 ;;
   esac
 done
 ls -la "$out"

@@ -13,6 +13,7 @@ Three layers, fastest first:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -285,6 +286,35 @@ def test_checked_contraction_matches_the_xla_path():
     _assert_close(c, ref, dtype)
 
 
+@pytest.mark.parametrize("flagged", [False, True], ids=["clean", "flagged"])
+def test_a_correcting_launch_runs_the_locating_kernel_only_when_a_row_flagged(flagged):
+    """``detect_then_locate``: the detection-only launch first; its result when every row is
+    clean, the correcting launch's when one flagged."""
+    status = (
+        jnp.zeros((1, 2, 64), jnp.float32)
+        .at[0, 1, 7]
+        .set(matmul_mgpu.UNCORRECTABLE if flagged else matmul_mgpu.CLEAN)
+    )
+    launched = []
+
+    def launch(settings):
+        launched.append(settings.correct)
+        # The correcting kernel "repairs" the row the detection flagged.
+        return jnp.full((2, 2), 1.0 if settings.correct else 0.0), jnp.where(
+            settings.correct, jnp.zeros_like(status), status
+        )
+
+    settings = matmul_mgpu.KernelSettings(out_dtype=jnp.bfloat16, block_sizes=SMALL)
+    c, got = jax.jit(lambda: matmul.detect_then_locate(launch, settings))()
+    assert launched == [False, True]  # both traced, the detection first
+    np.testing.assert_array_equal(c, np.full((2, 2), 1.0 if flagged else 0.0))
+    np.testing.assert_array_equal(got, np.zeros_like(status) if flagged else status)
+    detecting = dataclasses.replace(settings, correct=False)
+    launched.clear()
+    matmul.detect_then_locate(launch, detecting)
+    assert launched == [False]  # detection only: one launch
+
+
 def test_recompute_and_count_is_branch_free():
     """The host side after the kernel compiles to no loop or conditional."""
     a, b = _operands(jnp.bfloat16)
@@ -347,7 +377,9 @@ def test_kernel_lowers_for_sm90a(check, correct, checksum_gemm):
     plan = _plan(Fault(site=SITE, kind="inf", index=5))
     text = _lower_for_h100(check, plan, correct, checksum_gemm)
     calls = [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
-    assert len(calls) == 1
+    # A correcting GEMM: the detection-only kernel, and the correcting one in a conditional.
+    assert len(calls) == (2 if correct else 1)
+    assert ("stablehlo.case" in text) == correct
     assert ("checked_matmul" if check else "matmul") in text
 
 
