@@ -186,12 +186,26 @@ def finite(x: jax.Array) -> jax.Array:
 
 def split3(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
     """float32 ``x`` as ``hi + mid + lo`` in ``dtype``: their float32 sum is ``x`` to ``u³``
-    (24+ significant bits), so a narrow MMA of the three parts delivers ``x`` to float32."""
-    hi = x.astype(dtype)
-    rest = x - hi.astype(jnp.float32)
-    mid = rest.astype(dtype)
-    lo = (rest - mid.astype(jnp.float32)).astype(dtype)
-    return hi, mid, lo
+    (24+ significant bits), so a narrow MMA of the three parts delivers ``x`` to float32.
+
+    Each part is rounded with ``lax.reduce_precision``, not by a round trip through ``dtype``:
+    XLA:GPU removes ``f32 -> bf16 -> f32`` conversions (``xla_allow_excess_precision``), which
+    made ``x - hi`` zero and left ``hi`` alone, ``x`` to 2⁻⁹ (docs/pallas.md, "Status on GPUs").
+    For XLA, ``reduce_precision`` is an operation it must keep.
+
+    Example:
+      >>> hi, mid, lo = split3(jnp.float32(1 / 3), jnp.bfloat16)
+    """
+    info = jnp.finfo(dtype)
+    rounded = functools.partial(
+        lax.reduce_precision, exponent_bits=info.nexp, mantissa_bits=info.nmant
+    )
+    hi = rounded(x)
+    rest = x - hi
+    mid = rounded(rest)
+    lo = rest - mid
+    # hi and mid are values of dtype already (the conversions are exact); lo is rounded once.
+    return hi.astype(dtype), mid.astype(dtype), lo.astype(dtype)
 
 
 # --- Checking one tile product inside a kernel -------------------------------------------------

@@ -367,7 +367,8 @@ def detect_then_locate(launch, settings: matmul_mgpu.KernelSettings):
     if not settings.correct:
         return launch(settings)
     c, status = launch(dataclasses.replace(settings, correct=False))
-    flagged = jnp.any(status != matmul_mgpu.CLEAN)
+    # status: [batch, tiles, 2, M], each row's state then its located column (-1).
+    flagged = jnp.any(status[:, :, 0, :] != matmul_mgpu.CLEAN)
     return lax.cond(flagged, lambda: launch(settings), lambda: (c, status))
 
 
