@@ -614,9 +614,9 @@ def _check_tile(acc, chk, param, *, settings: KernelSettings, iota):
         return acc, status, jnp.full_like(flagged, -1.0)
 
     # Every tile runs the location; the rows that did not flag come back unchanged. A branch
-    # on "any row of the tile flagged" would skip it on clean tiles, but that predicate is a
-    # reduction across the warpgroup's warps, whose shared-memory scratch Mosaic GPU places at
-    # one offset for both consumer warpgroups: they would race (docs/pallas.md).
+    # on "any row of the tile flagged" would race between the consumer warpgroups (the
+    # reduction's shared-memory scratch), so the host runs this kernel only after the
+    # detection-only one flagged (matmul.detect_then_locate; docs/pallas.md).
     return _rebuild_rows(
         acc, col, flagged, upstream, (dev_e, dev_w), (expected_e, expected_w),
         (scale_e, scale_w), base_thresholds, near_inf=near_inf,

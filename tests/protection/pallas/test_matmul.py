@@ -356,6 +356,8 @@ def test_a_correcting_launch_runs_the_locating_kernel_only_when_a_row_flagged(fa
     c, status = jax.jit(lambda: matmul.detect_then_locate(run, settings))()
     assert launched == [False, True]  # both traced, the detection first
     assert float(status[0, 0, 1, 0]) == (1.0 if faulty else 0.0)
+    # The detection-only launch leaves the injected INF; the correcting one rebuilt it.
+    assert bool(jnp.all(jnp.isfinite(c.astype(jnp.float32))))
     state = np.asarray(status[:, :, 0, :])
     assert (state == matmul_mgpu.LOCATED).sum() == (1 if faulty else 0)
     launched.clear()

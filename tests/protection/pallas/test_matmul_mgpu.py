@@ -55,8 +55,9 @@ def _mlp_step(w, x):
 @pytest.mark.lowering
 def test_identical_gemms_of_a_checked_step_share_one_kernel():
     """A checked step with implementation='pallas' (3 forward, 2 grad_lhs, 3 grad_rhs GEMMs of
-    two configurations) lowers to one kernel per distinct configuration: each kernel hash has
-    one signature (shapes and dtypes) and each signature one kernel hash."""
+    two configurations) lowers to two kernels per distinct configuration (the detection-only
+    one and the correcting one behind it): each kernel hash has one signature (shapes and
+    dtypes) and each signature two kernel hashes."""
     w = jax.ShapeDtypeStruct((3, 128, 128), jnp.bfloat16)
     x = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
     config = ABFTConfig(implementation="pallas")
@@ -64,7 +65,7 @@ def test_identical_gemms_of_a_checked_step_share_one_kernel():
     kernels = _kernels(_lowered_for_h100(sdcguard.checked(_mlp_step, config), w, x))
     signatures = set().union(*kernels.values())
     assert all(len(types) == 1 for types in kernels.values()), kernels
-    assert len(kernels) == len(signatures) == 2
+    assert len(signatures) == 2 and len(kernels) == 2 * len(signatures)
     assert len(sites) == 8  # more GEMMs than kernels: the identical ones share
 
 
@@ -85,9 +86,10 @@ def test_checked_matmul_at_two_call_sites_is_one_kernel(check):
 
     kernels = _kernels(_lowered_for_h100(f, a, b))
     signatures = set().union(*kernels.values())
-    # Unchecked, `correct` does not reach the kernel: c4 is c1's kernel.
+    # Checked, c1 and c3 run the detection-only kernel and the correcting one, and c4 is c1's
+    # detection-only kernel. Unchecked, `correct` does not reach the kernel: c4 is c1's kernel.
     assert len(signatures) == 2
-    assert len(kernels) == (3 if check else 2), kernels
+    assert len(kernels) == (4 if check else 2), kernels
 
 
 def test_kernel_settings_default_to_abft_config_and_key_unchecked_launches_alike():
