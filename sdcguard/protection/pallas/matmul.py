@@ -357,8 +357,10 @@ def detect_then_locate(launch, settings: matmul_mgpu.KernelSettings):
 
     The correcting kernel locates in every tile, flagged or not (its cost on an H200: 1.6 to
     4.4x cuBLAS, against 1.6 to 1.8x detecting; docs/performance.md), so a clean GEMM does not
-    run it; a faulty one computes the GEMM again and rebuilds what it locates (a fault that
-    does not recur leaves nothing to rebuild).
+    run it; a faulty one computes the GEMM again and rebuilds what it locates. A fault that
+    does not recur leaves the second run clean: its output is kept, and the rows keep the
+    detection's verdict (flagged, not located: counted detected and uncorrectable), so that
+    no detection goes unreported.
 
     Args:
       launch: ``settings -> (c, status)``, the kernel or its emulation.
@@ -368,8 +370,13 @@ def detect_then_locate(launch, settings: matmul_mgpu.KernelSettings):
         return launch(settings)
     c, status = launch(dataclasses.replace(settings, correct=False))
     # status: [batch, tiles, 2, M], each row's state then its located column (-1).
-    flagged = jnp.any(status[:, :, 0, :] != matmul_mgpu.CLEAN)
-    return lax.cond(flagged, lambda: launch(settings), lambda: (c, status))
+    flagged = lambda status: jnp.any(status[:, :, 0, :] != matmul_mgpu.CLEAN)
+
+    def locate():
+        c_again, status_again = launch(settings)
+        return c_again, jnp.where(flagged(status_again), status_again, status)
+
+    return lax.cond(flagged(status), locate, lambda: (c, status))
 
 
 def _kernel_path(a, b, settings, *, safety, faults, max_recomputed, interpret, emulate):

@@ -365,6 +365,39 @@ def test_a_correcting_launch_runs_the_locating_kernel_only_when_a_row_flagged(fa
     assert launched == [False]  # detection only: one launch
 
 
+def test_a_fault_that_does_not_recur_is_still_counted():
+    """A transient fault: the detection-only launch flags it, the correcting launch computes
+    the GEMM again clean. The output is the clean one, and the counters still say a fault was
+    detected (not located: uncorrectable), rather than nothing."""
+    a, b = _operands(jnp.bfloat16)
+    plan = _plan(Fault(site=SITE, kind="inf", index=5))
+    faults = matmul.matrix_faults(plan, SITE, (a.shape[0], a.shape[1], b.shape[2]))
+    injected = matmul._injected_values(a, b, faults, jnp.bfloat16)
+    b_p, bc, scales, magnitudes = matmul.pass_over_b(
+        b, a_shape=a.shape, check=True, block_sizes=SMALL, transposed=False
+    )
+    params = {}
+    for name, inj in (("faulty", injected), ("clean", None)):
+        a_p, params[name] = matmul.pass_over_a(
+            a, scales, magnitudes, b_shape=b.shape, check=True, safety=1.0, block_sizes=SMALL,
+            injected=inj,
+        )  # fmt: skip
+    settings = matmul_mgpu.KernelSettings(out_dtype=jnp.bfloat16, block_sizes=SMALL)
+
+    def launch(settings):  # the fault strikes the first run only
+        if settings.correct:
+            return matmul_mgpu.reference_kernel(a_p, b_p, bc, params["clean"], settings=settings)
+        faulty = dataclasses.replace(settings, num_faults=1)
+        return matmul_mgpu.reference_kernel(a_p, b_p, bc, params["faulty"], settings=faulty)
+
+    c, status = jax.jit(lambda: matmul.detect_then_locate(launch, settings))()
+    c, counts = verify.pass_after(
+        a, b, c, status, check=True, max_recomputed=16, block_sizes=SMALL, correct=True
+    )
+    assert counts.tolist() == [1, 0, 1, 0]
+    _assert_close(c, _clean(a, b, jnp.bfloat16), jnp.bfloat16)
+
+
 def test_recompute_and_count_is_branch_free():
     """The host side after the kernel compiles to no loop or conditional."""
     a, b = _operands(jnp.bfloat16)
