@@ -9,8 +9,9 @@ square-ish ones and the GEMMs of a d-1024 LM step, forward and backward, :data:`
   (``checksum_gemm="separate"``: the expected row sums as an XLA GEMM before the kernel);
 - each part of the checked GEMM as a compiled function of its own, on the outputs of the part
   before it: the passes before the kernel over ``B`` (padding, the checksum operand) and over
-  ``A`` (padding, the per-row thresholds), both together, the kernel alone, and the pass after
-  it (``verify.pass_after``: the recomputation of located elements and the counters);
+  ``A`` (padding, the per-row thresholds), both together, the detection-only kernel alone (what
+  a clean call runs; the correcting kernel runs only after a detection), and what follows it
+  on a clean call (``matmul.locate_if_flagged``: the predicate and the conditional);
 - ratios as the median over interleaved rounds (drift hits every variant alike), with the
   device kind; each variant's compile time and first run (a kernel compiled at load time);
 - an INF injected into the accumulator of the checked GEMM, corrected on the GPU.
@@ -265,7 +266,7 @@ def stage_variants(a, b, block_sizes) -> dict[str, Compiled]:
     """Each part of the checked GEMM (:data:`STAGES`) compiled alone, on the outputs of the
     part before it (computed here, once)."""
     from sdcguard import ABFTConfig
-    from sdcguard.protection.pallas import matmul, matmul_mgpu, resolve_interpret, verify
+    from sdcguard.protection.pallas import matmul, matmul_mgpu, resolve_interpret
 
     a3, b3 = a[None], b[None]  # as checked_matmul batches 2-D operands
     bs = block_sizes
@@ -285,8 +286,18 @@ def stage_variants(a, b, block_sizes) -> dict[str, Compiled]:
     settings = matmul_mgpu.KernelSettings(
         out_dtype=a.dtype, block_sizes=bs, near_inf=ABFTConfig().near_inf
     )
-    kernel = functools.partial(matmul.run_kernel, settings=settings)
-    after = functools.partial(verify.pass_after, check=True, max_recomputed=16, block_sizes=bs)
+    detecting = dataclasses.replace(settings, correct=False)
+    # What a clean correcting call runs: the detection-only kernel, then the predicate on its
+    # statuses and the conditional whose branch (the correcting kernel, the pass after it)
+    # runs only when a tile flagged.
+    kernel = functools.partial(matmul.run_kernel, settings=detecting)
+
+    def after(a, b, a_p, b_p, bc, params, c, status):
+        relaunch = lambda s: matmul.run_kernel(a_p, b_p, bc, params, settings=s)
+        return matmul.locate_if_flagged(
+            relaunch, a, b, c, status, settings=settings, max_recomputed=16, max_rerun_tiles=64
+        )
+
     variants = {"before: over B": Compiled(over_b, b3)}
     _, _, scales, magnitudes = variants["before: over B"]()
     variants["before: over A"] = Compiled(over_a, a3, scales, magnitudes)
@@ -294,7 +305,7 @@ def stage_variants(a, b, block_sizes) -> dict[str, Compiled]:
     prepared = variants["before: A and B"]()
     variants["kernel"] = Compiled(kernel, *prepared)
     c, status = variants["kernel"]()
-    variants["after"] = Compiled(after, a3, b3, c, status)
+    variants["after"] = Compiled(after, a3, b3, *prepared, c, status)
     return variants
 
 

@@ -242,6 +242,37 @@ def after_pass_inventory(device, m: int, k: int, n: int) -> dict:
     return {"kernels": len(ks), "per_kind": dict(collections.Counter(k["kind"] for k in ks))}
 
 
+def mosaic_gemm_inventory(device, m: int, k: int, n: int) -> dict:
+    """The Mosaic checked GEMM (``checked_matmul``, ``[1, m, k] x [1, k, n]`` bf16) compiled
+    for an H200, detection only and correcting.
+
+    Per variant: the kernels a clean call launches (the entry computation's; a conditional,
+    whose branches run only when a tile flagged, counts as one), per kind, and the copies in
+    the conditionals' branches (:func:`branch_copies`: a copy there runs on every clean call).
+    """
+    import functools
+
+    import jax.numpy as jnp
+
+    from sdcguard.protection.pallas import matmul
+
+    operands = (
+        jax.ShapeDtypeStruct((1, m, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, k, n), jnp.bfloat16),
+    )
+    out = {}
+    for name, correct in (("detect only", False), ("correcting", True)):
+        fn = functools.partial(matmul.checked_matmul, correct=correct, interpret=False)
+        hlo = compile_for(device, fn, operands).as_text()
+        ks = kernels(hlo)
+        out[name] = {
+            "kernels": len(ks),
+            "per_kind": dict(collections.Counter(k["kind"] for k in ks)),
+            "branch_copies": branch_copies(hlo),
+        }
+    return out
+
+
 def _traffic(inv: dict, plain: dict | None) -> str:
     """One line on the bytes a variant's kernels move (:func:`inventory`)."""
     gb = 1e9
@@ -281,8 +312,29 @@ def main() -> int:
         metavar="MxKxN",
         help="inventory the Mosaic checked GEMM's pass after the kernel at these shapes instead",
     )
+    parser.add_argument(
+        "--mosaic-gemm",
+        nargs="+",
+        default=None,
+        metavar="MxKxN",
+        help="inventory the Mosaic checked GEMM (detect only, correcting) at these shapes",
+    )
     args = parser.parse_args()
     device = gpu_device()
+    if args.mosaic_gemm:
+        gemms = {}
+        for shape in args.mosaic_gemm:
+            m, k, n = (int(x) for x in shape.split("x"))
+            gemms[shape] = mosaic_gemm_inventory(device, m, k, n)
+            for name, inv in gemms[shape].items():
+                print(
+                    f"checked GEMM {shape}, {name}: {inv['kernels']} kernels on a clean call, "
+                    f"copies in conditionals {inv['branch_copies']}; {inv['per_kind']}",
+                    flush=True,
+                )
+        if args.out:
+            args.out.write_text(json.dumps(gemms, indent=2))
+        return 0
     if args.after_pass:
         after = {}
         for shape in args.after_pass:

@@ -225,3 +225,27 @@ def test_the_pass_after_the_mosaic_gemm_has_no_scan_on_an_h200(tmp_path):
     kinds = json.loads(out.read_text())["1024x256x2048"]["per_kind"]
     assert not any("reduce_window" in kind for kind in kinds), kinds
     assert kinds.get("input_scatter_fusion") == 1, kinds
+
+
+@pytest.mark.skipif(
+    not _has_cuda_plugin(),
+    reason="needs JAX's CUDA plugin (pip install 'jax[cuda13]'); no GPU needed",
+)
+def test_a_clean_correcting_mosaic_gemm_launches_what_detection_does_and_copies_nothing(
+    tmp_path,
+):
+    """Compiled for an H200: a correcting checked GEMM runs its second, locating kernel and
+    the pass after it behind one conditional, and a clean call copies nothing through it
+    (before, the clean branch copied ``C`` and the statuses, and the pass after the kernel
+    ran on every call: 25 kernels against detection's 13 at 8192x1024x4096)."""
+    out = tmp_path / "gemm.json"
+    env = {**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), str(SCRIPT.parent)])
+    command = [sys.executable, str(SCRIPT), "--mosaic-gemm", "1024x2048x512", "--out", str(out)]
+    subprocess.run(command, check=True, env=env)
+    inv = json.loads(out.read_text())["1024x2048x512"]
+    detect, correcting = inv["detect only"], inv["correcting"]
+    assert correcting["branch_copies"] == {"copies": 0, "bytes": 0}
+    assert correcting["per_kind"].get("conditional") == 1
+    assert correcting["per_kind"].get("custom-call") == 1  # the detection kernel alone
+    assert correcting["kernels"] <= detect["kernels"]

@@ -161,6 +161,7 @@ def checked_matmul(
     site: str = "pallas:gemm",
     faults: FaultCoords | None = None,
     max_recomputed: int = 16,
+    max_rerun_tiles: int = 64,
     block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
     checksum_gemm: str = "fused",
     interpret: bool | None = None,
@@ -180,6 +181,8 @@ def checked_matmul(
         ``[batch, M, N]``) are injected into the accumulator tile.
       faults: the same, already resolved (:func:`matrix_faults`); overrides ``plan``.
       max_recomputed: how many located elements per call are recomputed exactly.
+      max_rerun_tiles: how many flagged tiles per call the correcting kernel's second run
+        replaces (a flagged tile beyond them keeps its value and counts uncorrectable).
       block_sizes: tiles.
       checksum_gemm: where the tiles' expected row sums are computed: ``"fused"`` (a narrow
         WGMMA in the kernel's main loop) or ``"separate"`` (an XLA GEMM before the kernel;
@@ -221,6 +224,7 @@ def checked_matmul(
             safety=safety,
             faults=faults,
             max_recomputed=max_recomputed,
+            max_rerun_tiles=max_rerun_tiles,
             interpret=resolve_interpret(interpret),
             emulate=emulate,
         )
@@ -326,60 +330,107 @@ def pass_over_a(
 def run_kernel(
     a_p, b_p, bc, params, *, settings: matmul_mgpu.KernelSettings, interpret: bool | None = None
 ):
-    """The kernel stage alone, on the outputs of :func:`pass_over_a` and :func:`pass_over_b`.
-
-    A correcting launch (``settings.correct``) runs the detection-only kernel first, and the
-    kernel that locates and rebuilds only when a row flagged (:func:`detect_then_locate`).
+    """One launch of the kernel, on the outputs of :func:`pass_over_a` and :func:`pass_over_b`.
 
     Args:
-      settings: the launch's static settings; interpret: as for :func:`checked_matmul`.
+      settings: the launch's static settings (``settings.correct``: the kernel that locates
+        and rebuilds; a checked call runs it only after a detection, :func:`detect_then_locate`).
+      interpret: as for :func:`checked_matmul`.
 
     Returns:
       ``(c, status)`` (padded; ``status`` None without ``settings.check``).
     """
     interpret = resolve_interpret(interpret)
     sms = _grid(a_p.shape, b_p.shape, settings.block_sizes, interpret)
-
-    def launch(settings):
-        with _interpreting(interpret):
-            return matmul_mgpu.call_kernel(
-                a_p, b_p, bc, params, settings=settings, num_sms=sms, interpret=interpret
-            )
-
-    return detect_then_locate(launch, settings)
+    with _interpreting(interpret):
+        return matmul_mgpu.call_kernel(
+            a_p, b_p, bc, params, settings=settings, num_sms=sms, interpret=interpret
+        )
 
 
-def detect_then_locate(launch, settings: matmul_mgpu.KernelSettings):
-    """``launch(settings)`` at detection's cost on a clean GEMM: a correcting ``settings``
-    launches the detection-only kernel, then, only if a row flagged, the correcting one
-    (a ``lax.cond`` on the rows' status: on a GPU a conditional node that the device
-    evaluates, no host sync inside a CUDA graph).
+def detect_then_locate(
+    launch, a, b, settings: matmul_mgpu.KernelSettings, *, max_recomputed: int, max_rerun_tiles: int
+):
+    """A correcting GEMM at detection's cost when it is clean: the detection-only kernel, then
+    :func:`locate_if_flagged`.
 
-    The correcting kernel locates in every tile, flagged or not (its cost on an H200: 1.6 to
-    4.4x cuBLAS, against 1.6 to 1.8x detecting; docs/performance.md), so a clean GEMM does not
-    run it; a faulty one computes the GEMM again and rebuilds what it locates. A fault that
-    does not recur leaves the second run clean: its output is kept, and the rows keep the
-    detection's verdict (flagged, not located: counted detected and uncorrectable), so that
-    no detection goes unreported.
+    Args:
+      launch: ``settings -> (c, status)``, the kernel (:func:`run_kernel`) or its emulation.
+      a, b: the unpadded operands, ``[batch, M, K]`` and ``[batch, K, N]``.
+      settings: a correcting launch's settings.
+      max_recomputed, max_rerun_tiles: as for :func:`checked_matmul`.
+
+    Returns:
+      ``(c, counts)``: ``c`` padded, ``[batch, Mp, Np]``.
+    """
+    c, status = launch(dataclasses.replace(settings, correct=False))
+    return locate_if_flagged(
+        launch, a, b, c, status, settings=settings, max_recomputed=max_recomputed,
+        max_rerun_tiles=max_rerun_tiles,
+    )  # fmt: skip
+
+
+def locate_if_flagged(
+    launch,
+    a,
+    b,
+    c,
+    status,
+    *,
+    settings: matmul_mgpu.KernelSettings,
+    max_recomputed: int,
+    max_rerun_tiles: int,
+):
+    """What follows the detection-only kernel of a correcting call: nothing more unless a tile
+    flagged. Then the correcting kernel runs, its tiles replace the flagged ones of ``c``, and
+    the elements it located are recomputed exactly (:func:`verify.take_rerun_tiles`,
+    :func:`verify.recompute_and_count`).
+
+    All of it sits behind one ``lax.cond`` on the tiles' flags (on a GPU a conditional node
+    the device evaluates: no host sync inside a CUDA graph), and the flagged branch writes into
+    ``c`` in place, so a clean call runs one reduction of the statuses and the conditional,
+    and copies nothing (the correcting kernel locates in every tile: 1.6 to 4.4x cuBLAS on an
+    H200, against 1.6 to 1.8x detecting; docs/performance.md).
+
+    A fault that does not recur leaves its tile clean in the second run: the tile is taken
+    from it (the value computed again), and its rows keep the detection's verdict (flagged,
+    not located: counted detected and uncorrectable), so that no detection goes unreported.
 
     Args:
       launch: ``settings -> (c, status)``, the kernel or its emulation.
-      settings: the launch's settings.
+      a, b: the unpadded operands.
+      c, status: the detection-only launch's outputs (padded).
+      settings: the correcting launch's settings.
+      max_recomputed, max_rerun_tiles: as for :func:`checked_matmul`.
+
+    Returns:
+      ``(c, counts)``: ``c`` padded.
     """
-    if not settings.correct:
-        return launch(settings)
-    c, status = launch(dataclasses.replace(settings, correct=False))
-    # status: [batch, tiles, 2, M], each row's state then its located column (-1).
-    flagged = lambda status: jnp.any(status[:, :, 0, :] != matmul_mgpu.CLEAN)
+    bs = settings.block_sizes
+    # The rows' states reduced at once (the tiles' flags are computed in the flagged branch).
+    anything = jnp.any(status[:, :, 0, :] != matmul_mgpu.CLEAN)
 
-    def locate():
+    def rerun(c):
         c_again, status_again = launch(settings)
-        return c_again, jnp.where(flagged(status_again), status_again, status)
+        c, merged = verify.take_rerun_tiles(
+            c, status, c_again, status_again, tile_m=bs.tile_m, tile_n=bs.tile_n,
+            max_tiles=max_rerun_tiles,
+        )  # fmt: skip
+        return verify.recompute_and_count(
+            a, b, c, merged, max_recomputed=max_recomputed, tile_m=bs.tile_m, tile_n=bs.tile_n
+        )
 
-    return lax.cond(flagged(status), locate, lambda: (c, status))
+    def clean(c):
+        # Zero counters typed like the predicate (varying across devices inside shard_map, as
+        # the flagged branch's are).
+        return c, zero_counts() + jnp.zeros_like(anything, jnp.int32)
+
+    return lax.cond(anything, rerun, clean, c)
 
 
-def _kernel_path(a, b, settings, *, safety, faults, max_recomputed, interpret, emulate):
+def _kernel_path(
+    a, b, settings, *, safety, faults, max_recomputed, max_rerun_tiles, interpret, emulate
+):
     """bf16/fp16 operands: the passes before the kernel, the kernel (or its reference), the
     pass after it."""
     bs, check, out_dtype = settings.block_sizes, settings.check, settings.out_dtype
@@ -404,24 +455,26 @@ def _kernel_path(a, b, settings, *, safety, faults, max_recomputed, interpret, e
     )
     if injected is not None:
         settings = dataclasses.replace(settings, num_faults=injected[0].shape[0])
-    if emulate and check:
-        c, status = detect_then_locate(
-            lambda settings: matmul_mgpu.reference_kernel(a_p, b_p, bc, params, settings=settings),
-            settings,
+    if not check:
+        if emulate:
+            c = jnp.einsum("bmk,bkn->bmn", a_p, b_p, preferred_element_type=out_dtype)
+        else:
+            c, _ = run_kernel(a_p, b_p, bc, params, settings=settings, interpret=interpret)
+        return c[:, : a.shape[1], : b.shape[2]], zero_counts()
+
+    def launch(settings):
+        if emulate:
+            return matmul_mgpu.reference_kernel(a_p, b_p, bc, params, settings=settings)
+        return run_kernel(a_p, b_p, bc, params, settings=settings, interpret=interpret)
+
+    if settings.correct:
+        c, counts = detect_then_locate(
+            launch, a, b, settings, max_recomputed=max_recomputed, max_rerun_tiles=max_rerun_tiles
         )
-    elif emulate:
-        c, status = jnp.einsum("bmk,bkn->bmn", a_p, b_p, preferred_element_type=out_dtype), None
-    else:
-        c, status = run_kernel(a_p, b_p, bc, params, settings=settings, interpret=interpret)
+        return c[:, : a.shape[1], : b.shape[2]], counts
+    c, status = launch(settings)
     return verify.pass_after(
-        a,
-        b,
-        c,
-        status,
-        check=check,
-        correct=settings.correct,
-        max_recomputed=max_recomputed,
-        block_sizes=bs,
+        a, b, c, status, check=True, correct=False, max_recomputed=max_recomputed, block_sizes=bs
     )
 
 

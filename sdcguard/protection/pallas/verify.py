@@ -82,6 +82,59 @@ def summarize_tiles(status: jax.Array, *, tile_m: int) -> TileSummary:
     return TileSummary(**out)
 
 
+def tile_flags(status: jax.Array, *, tile_m: int) -> jax.Array:
+    """Whether a row of each tile flagged: bool ``[batch, N / tile_n, M / tile_m]``, one
+    reduction of the rows' states."""
+    batch, tiles_n, _, m = status.shape
+    state = status[:, :, 0, :].reshape(batch, tiles_n, m // tile_m, tile_m)
+    return jnp.any(state != CLEAN, axis=3)
+
+
+def take_rerun_tiles(
+    c: jax.Array,
+    status: jax.Array,
+    c_again: jax.Array,
+    status_again: jax.Array,
+    *,
+    tile_m: int,
+    tile_n: int,
+    max_tiles: int,
+) -> tuple[jax.Array, jax.Array]:
+    """``c`` with its flagged tiles taken from a second, correcting run, and the statuses merged.
+
+    The first ``max_tiles`` flagged tiles (in the order of ``status``) are gathered from
+    ``c_again`` and scattered into ``c`` (in place: a fixed-size gather and scatter of whole
+    tiles); a flagged tile beyond them keeps its value and its first-run status (flagged, not
+    located: uncorrectable). A taken tile that flagged again takes the second run's row
+    statuses (what it located and rebuilt); one that did not (a fault that did not recur: its
+    value was computed again, clean) keeps the first run's, so the detection stays counted.
+    A tile that flagged only in the second run is not taken.
+
+    Args:
+      c, status: the detection-only run's outputs, ``[batch, Mp, Np]`` and ``[batch, Np /
+        tile_n, 2, Mp]``.
+      c_again, status_again: the correcting run's.
+      tile_m, tile_n: the tile of one check.
+      max_tiles: how many flagged tiles are taken (static).
+
+    Returns:
+      ``(c, status)``: for :func:`recompute_and_count`.
+    """
+    batch = c.shape[0]
+    flagged = tile_flags(status, tile_m=tile_m)
+    taken_ok, taken = _first(flagged.reshape(-1).astype(jnp.int32), min(max_tiles, flagged.size))
+    bi, tj, ti = jnp.unravel_index(taken, flagged.shape)
+    rows = (ti[:, None] * tile_m + jnp.arange(tile_m)[None, :])[:, :, None]  # [T, tm, 1]
+    cols = (tj[:, None] * tile_n + jnp.arange(tile_n)[None, :])[:, None, :]  # [T, 1, tn]
+    tiles = c_again[bi[:, None, None], rows, cols]  # [T, tm, tn]
+    write_at = jnp.where(taken_ok, bi, batch)[:, None, None]  # untaken slots are dropped
+    c = c.at[write_at, rows, cols].set(tiles, mode="drop")
+    taken_tiles = jnp.zeros(flagged.size, bool).at[taken].set(taken_ok).reshape(flagged.shape)
+    use_again = taken_tiles & tile_flags(status_again, tile_m=tile_m)
+    use_again = jnp.repeat(use_again, tile_m, axis=2)[:, :, None, :]  # [batch, tiles_n, 1, Mp]
+    return c, jnp.where(use_again, status_again, status)
+
+
 def recompute_and_count(
     a: jax.Array,
     b: jax.Array,

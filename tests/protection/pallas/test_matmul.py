@@ -13,6 +13,7 @@ Three layers, fastest first:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -323,13 +324,8 @@ def test_checked_contraction_matches_the_xla_path():
     _assert_close(c, ref, dtype)
 
 
-@pytest.mark.parametrize("faulty", [False, True], ids=["clean", "faulty"])
-def test_a_correcting_launch_runs_the_locating_kernel_only_when_a_row_flagged(faulty):
-    """``detect_then_locate`` over the kernel's emulation: the detection-only launch first; on
-    clean operands its result, the correcting launch's when a row flagged (each launch's
-    output marked, to tell them apart)."""
-    a, b = _operands(jnp.bfloat16)
-    plan = _plan(Fault(site=SITE, kind="inf", index=5)) if faulty else None
+def _prepared(a, b, plan):
+    """``(a_p, b_p, bc, params, settings)`` of a correcting emulated call with ``plan``."""
     faults = matmul.matrix_faults(plan, SITE, (a.shape[0], a.shape[1], b.shape[2]))
     injected = None if faults is None else matmul._injected_values(a, b, faults, jnp.bfloat16)
     b_p, bc, scales, magnitudes = matmul.pass_over_b(
@@ -339,30 +335,48 @@ def test_a_correcting_launch_runs_the_locating_kernel_only_when_a_row_flagged(fa
         a, scales, magnitudes, b_shape=b.shape, check=True, safety=1.0, block_sizes=SMALL,
         injected=injected,
     )  # fmt: skip
+    num_faults = 0 if injected is None else injected[0].shape[0]
     settings = matmul_mgpu.KernelSettings(
-        out_dtype=jnp.bfloat16, block_sizes=SMALL, num_faults=0 if plan is None else 1
+        out_dtype=jnp.bfloat16, block_sizes=SMALL, num_faults=num_faults
     )
+    return a_p, b_p, bc, params, settings
+
+
+MARK = 4096.0  # added to every element of the correcting launch's output, to tell it apart
+
+
+@pytest.mark.parametrize("faulty", [False, True], ids=["clean", "faulty"])
+def test_a_correcting_call_runs_the_locating_kernel_only_when_a_tile_flagged(faulty):
+    """``detect_then_locate`` over the kernel's emulation: the detection-only launch first.
+    Clean, its output is the result; when a tile flagged, that tile alone is taken from the
+    correcting launch (marked here), and the element it located is recomputed exactly."""
+    a, b = _operands(jnp.bfloat16)
+    plan = _plan(Fault(site=SITE, kind="inf", index=5)) if faulty else None
+    a_p, b_p, bc, params, settings = _prepared(a, b, plan)
     launched = []
 
     def launch(settings):
         launched.append(settings.correct)
         c, status = matmul_mgpu.reference_kernel(a_p, b_p, bc, params, settings=settings)
-        return c, status, jnp.float32(1.0 if settings.correct else 0.0)
+        return (c + MARK if settings.correct else c), status
 
-    def run(settings):  # the marker rides along with the status
-        c, status, marker = launch(settings)
-        return c, status.at[0, 0, 1, 0].set(marker)
-
-    c, status = jax.jit(lambda: matmul.detect_then_locate(run, settings))()
+    c, counts = jax.jit(
+        lambda: matmul.detect_then_locate(
+            launch, a, b, settings, max_recomputed=16, max_rerun_tiles=64
+        )
+    )()
     assert launched == [False, True]  # both traced, the detection first
-    assert float(status[0, 0, 1, 0]) == (1.0 if faulty else 0.0)
-    # The detection-only launch leaves the injected INF; the correcting one rebuilt it.
-    assert bool(jnp.all(jnp.isfinite(c.astype(jnp.float32))))
-    state = np.asarray(status[:, :, 0, :])
-    assert (state == matmul_mgpu.LOCATED).sum() == (1 if faulty else 0)
-    launched.clear()
-    matmul.detect_then_locate(run, dataclasses.replace(settings, correct=False))
-    assert launched == [False]  # detection only: one launch
+    clean = np.asarray(_clean(a_p, b_p, jnp.bfloat16), np.float32)
+    marked = np.abs(np.asarray(c, np.float32) - clean) > MARK / 2
+    if not faulty:
+        assert counts.tolist() == [0, 0, 0, 0] and not marked.any()
+        return
+    assert counts.tolist() == [1, 1, 0, 0]
+    tile = np.zeros_like(marked)
+    tile[0, :64, :64] = True  # the tile of element 5 of matrix 0
+    tile[0, 0, 5] = False  # recomputed exactly
+    np.testing.assert_array_equal(marked, tile)
+    assert float(c[0, 0, 5]) == float(clean[0, 0, 5])
 
 
 def test_a_fault_that_does_not_recur_is_still_counted():
@@ -371,31 +385,69 @@ def test_a_fault_that_does_not_recur_is_still_counted():
     detected (not located: uncorrectable), rather than nothing."""
     a, b = _operands(jnp.bfloat16)
     plan = _plan(Fault(site=SITE, kind="inf", index=5))
-    faults = matmul.matrix_faults(plan, SITE, (a.shape[0], a.shape[1], b.shape[2]))
-    injected = matmul._injected_values(a, b, faults, jnp.bfloat16)
-    b_p, bc, scales, magnitudes = matmul.pass_over_b(
-        b, a_shape=a.shape, check=True, block_sizes=SMALL, transposed=False
-    )
-    params = {}
-    for name, inj in (("faulty", injected), ("clean", None)):
-        a_p, params[name] = matmul.pass_over_a(
-            a, scales, magnitudes, b_shape=b.shape, check=True, safety=1.0, block_sizes=SMALL,
-            injected=inj,
-        )  # fmt: skip
-    settings = matmul_mgpu.KernelSettings(out_dtype=jnp.bfloat16, block_sizes=SMALL)
+    a_p, b_p, bc, faulty_params, settings = _prepared(a, b, plan)
+    *_, clean_params, _ = _prepared(a, b, None)
 
     def launch(settings):  # the fault strikes the first run only
         if settings.correct:
-            return matmul_mgpu.reference_kernel(a_p, b_p, bc, params["clean"], settings=settings)
-        faulty = dataclasses.replace(settings, num_faults=1)
-        return matmul_mgpu.reference_kernel(a_p, b_p, bc, params["faulty"], settings=faulty)
+            clean = dataclasses.replace(settings, num_faults=0)
+            return matmul_mgpu.reference_kernel(a_p, b_p, bc, clean_params, settings=clean)
+        return matmul_mgpu.reference_kernel(a_p, b_p, bc, faulty_params, settings=settings)
 
-    c, status = jax.jit(lambda: matmul.detect_then_locate(launch, settings))()
-    c, counts = verify.pass_after(
-        a, b, c, status, check=True, max_recomputed=16, block_sizes=SMALL, correct=True
-    )
+    c, counts = jax.jit(
+        lambda: matmul.detect_then_locate(
+            launch, a, b, settings, max_recomputed=16, max_rerun_tiles=64
+        )
+    )()
     assert counts.tolist() == [1, 0, 1, 0]
-    _assert_close(c, _clean(a, b, jnp.bfloat16), jnp.bfloat16)
+    _assert_close(c[:, :128, :160], _clean(a, b, jnp.bfloat16), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("max_rerun_tiles", [1, 2])
+def test_flagged_tiles_beyond_the_rerun_capacity_count_uncorrectable(max_rerun_tiles):
+    """Faults in two tiles: each tile the second run replaces is corrected; a flagged tile
+    beyond ``max_rerun_tiles`` keeps its value and counts detected and uncorrectable."""
+    a, b = _operands(jnp.bfloat16)
+    # Element 5 of matrix 0 (tile 0 of its column tiles) and element 70 (column tile 1).
+    plan = _plan(
+        Fault(site=SITE, kind="value", index=5, value=1e4),
+        Fault(site=SITE, kind="value", index=70, value=1e4),
+    )
+    c, counts = jax.jit(
+        lambda a, b, plan: matmul.checked_matmul(
+            a, b, plan=plan, site=SITE, block_sizes=SMALL, emulate=True,
+            max_rerun_tiles=max_rerun_tiles,
+        )
+    )(a, b, plan)  # fmt: skip
+    taken = max_rerun_tiles
+    assert counts.tolist() == [2, taken, 2 - taken, 0]
+    clean = _clean(a, b, jnp.bfloat16)
+    fixed = [float(c[0, 0, j]) == float(clean[0, 0, j]) for j in (5, 70)]
+    assert fixed == [True, taken == 2]
+
+
+def test_a_clean_correcting_call_runs_none_of_the_second_runs_work():
+    """Everything after the detection-only launch but the predicate sits behind the
+    ``lax.cond``: outside it the traced call has no gather, scatter or top-k (the pass after
+    the kernel ran on every call before). Compiled for an H200, the clean call also copies
+    nothing through the conditional (``tests/test_gpu_compile_offline.py``)."""
+    a, b = _operands(jnp.bfloat16)
+    fn = lambda a, b: matmul.checked_matmul(a, b, block_sizes=SMALL, emulate=True)
+    outside = collections.Counter()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            outside[eqn.primitive.name] += 1
+            if eqn.primitive.name == "cond":
+                continue  # its branches: the second run
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", None)
+                if inner is not None:
+                    walk(getattr(inner, "jaxpr", inner))
+
+    walk(jax.make_jaxpr(fn)(a, b).jaxpr)
+    assert outside["cond"] == 1
+    assert not {"gather", "scatter", "top_k", "sort"} & set(outside), outside
 
 
 def test_recompute_and_count_is_branch_free():
