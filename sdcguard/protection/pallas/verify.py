@@ -238,8 +238,12 @@ def pass_after(
     if not check:
         return c[:, :m, :n], zero_counts()
     if not correct:
-        tiles = summarize_tiles(status, tile_m=block_sizes.tile_m)
-        counts = count_outcomes(jnp.sum(tiles.flagged), 0, jnp.sum(tiles.nonfinite_input))
+        # Each tile's worst row state, one reduction: NONFINITE_INPUT is the largest state, so
+        # the tile's maximum says both whether it flagged and whether the inputs were at fault.
+        batch, tiles_n, _, mp = status.shape
+        state = status[:, :, 0, :].reshape(batch, tiles_n, mp // block_sizes.tile_m, -1)
+        worst = jnp.max(state, axis=3)
+        counts = count_outcomes(jnp.sum(worst > CLEAN), 0, jnp.sum(worst == NONFINITE_INPUT))
         return c[:, :m, :n], counts
     c, counts = recompute_and_count(
         a,
