@@ -3,16 +3,17 @@
 :func:`checked_matmul` runs :mod:`sdcguard.protection.pallas.matmul_mgpu`'s kernel for bf16 and
 fp16 operands: every ``[tile_m, tile_n]`` tile of ``C`` is checked on its float32 accumulator
 before it is rounded and stored, and a single error per row of a tile is located and rebuilt
-in registers. A correcting call runs the detection-only kernel first and the correcting one
-only when a row flagged (:func:`detect_then_locate`), so a clean GEMM costs what detection
-costs. Around the kernel, XLA does three small things:
+in registers. A correcting call runs the detection-only kernel first, and the correcting one
+and the pass after it only when a tile flagged (:func:`detect_then_locate`), so a clean GEMM
+costs what detection costs. Around the kernel, XLA does three small things:
 
 * before: the checksum operand ``Bc`` (one pass over ``B``: eight columns per tile of ``B``)
   and the per-row thresholds (one pass over ``A``: its row norms, which XLA can fuse into
   ``A``'s producer);
-* after: every element the kernel located is **recomputed** from its row of ``A`` and column
-  of ``B`` (float32 products, summed in float32) and written over the rebuilt value, so a
-  corrected element equals the clean one to the GEMM's own rounding. At most
+* after (on a correcting call, only when a tile flagged): the flagged tiles are taken from the
+  correcting kernel's run, and every element it located is **recomputed** from its row of
+  ``A`` and column of ``B`` (float32 products, summed in float32) and written over the rebuilt
+  value, so a corrected element equals the clean one to the GEMM's own rounding. At most
   ``max_recomputed`` elements per call are recomputed, with a fixed-size gather and scatter
   and no data-dependent control flow; a tile with a located element beyond that is counted
   uncorrectable;
@@ -24,7 +25,8 @@ costs. Around the kernel, XLA does three small things:
   every flagged row was located, rebuilt and recomputed.
 
 Each part is a function of its own, so that a benchmark can time it alone: :func:`pass_over_b`
-and :func:`pass_over_a` (before), :func:`run_kernel`, :func:`verify.pass_after`.
+and :func:`pass_over_a` (before), :func:`run_kernel`, :func:`locate_if_flagged` (after, on a
+correcting call) and :func:`verify.pass_after` (after, detection only).
 
 float32 operands (and mixed dtypes) take the XLA path (``einsum``,
 :func:`sdcguard.fault_model.apply`,
