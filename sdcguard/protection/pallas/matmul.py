@@ -36,6 +36,12 @@ inputs to TF32, and the XLA path already checks float32 GEMMs.
 :func:`checked_matmul_reference` is the pure-jnp reference (``einsum`` and
 :func:`sdcguard.protection.check_contraction`).
 
+Why one module: the front door, the passes before and after the kernel, the second run of a
+correcting call and the reference share one padded ``[batch, M, K] x [batch, K, N]`` layout and
+its tile conventions, and each is a function of its own that a benchmark times alone; the
+mapping of any pure contraction onto that layout (the end of the module) is the front door for
+einsum callers.
+
 Off a GPU the kernel runs in Mosaic GPU's interpret mode (``interpret=None`` picks it): slow,
 for tests, and only with at least four XLA:CPU pool threads
 (``PJRT_NPROC=4`` on a machine with fewer CPUs).
