@@ -57,6 +57,13 @@ class TileSummary(NamedTuple):
     nonfinite_input: jax.Array  # bool: a flagged row's checksum (the inputs alone) is not finite
 
 
+def tile_states(status: jax.Array, *, tile_m: int) -> jax.Array:
+    """The rows' states per tile: ``[batch, N / tile_n, M / tile_m, tile_m]`` from the kernel's
+    ``[batch, N / tile_n, 2, M]`` statuses."""
+    batch, tiles_n, _, m = status.shape
+    return status[:, :, 0, :].reshape(batch, tiles_n, m // tile_m, tile_m)
+
+
 def summarize_tiles(status: jax.Array, *, tile_m: int) -> TileSummary:
     """The kernel's row statuses reduced per tile: one pass over the statuses, the only work
     after the kernel that grows with ``M x N`` (``1 / tile_n`` of ``C``).
@@ -68,8 +75,7 @@ def summarize_tiles(status: jax.Array, *, tile_m: int) -> TileSummary:
     Returns:
       The per-tile :class:`TileSummary`.
     """
-    batch, tiles_n, _, m = status.shape
-    state = status[:, :, 0, :].reshape(batch, tiles_n, m // tile_m, tile_m)
+    state = tile_states(status, tile_m=tile_m)
     out = reduce_together(
         {
             "flagged": ("max", state > CLEAN),
@@ -85,9 +91,7 @@ def summarize_tiles(status: jax.Array, *, tile_m: int) -> TileSummary:
 def tile_flags(status: jax.Array, *, tile_m: int) -> jax.Array:
     """Whether a row of each tile flagged: bool ``[batch, N / tile_n, M / tile_m]``, one
     reduction of the rows' states."""
-    batch, tiles_n, _, m = status.shape
-    state = status[:, :, 0, :].reshape(batch, tiles_n, m // tile_m, tile_m)
-    return jnp.any(state != CLEAN, axis=3)
+    return jnp.any(tile_states(status, tile_m=tile_m) != CLEAN, axis=3)
 
 
 def take_rerun_tiles(
@@ -240,9 +244,7 @@ def pass_after(
     if not correct:
         # Each tile's worst row state, one reduction: NONFINITE_INPUT is the largest state, so
         # the tile's maximum says both whether it flagged and whether the inputs were at fault.
-        batch, tiles_n, _, mp = status.shape
-        state = status[:, :, 0, :].reshape(batch, tiles_n, mp // block_sizes.tile_m, -1)
-        worst = jnp.max(state, axis=3)
+        worst = jnp.max(tile_states(status, tile_m=block_sizes.tile_m), axis=3)
         counts = count_outcomes(jnp.sum(worst > CLEAN), 0, jnp.sum(worst == NONFINITE_INPUT))
         return c[:, :m, :n], counts
     c, counts = recompute_and_count(
