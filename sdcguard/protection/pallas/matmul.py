@@ -206,6 +206,11 @@ def checked_matmul(
       ``(c, counts)``: ``c [batch, M, N]`` (``[M, N]`` for 2-D operands) and int32
       ``[detected, corrected, uncorrectable, nonfinite_input]`` summed over tiles.
     """
+    for name, value in (("max_recomputed", max_recomputed), ("max_rerun_tiles", max_rerun_tiles)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"checked_matmul: {name} must be a positive int (how many per call), got {value!r}"
+            )
     squeeze, a, b = _batched(a, b)
     if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(

@@ -426,6 +426,14 @@ def test_flagged_tiles_beyond_the_rerun_capacity_count_uncorrectable(max_rerun_t
     assert fixed == [True, taken == 2]
 
 
+@pytest.mark.parametrize("name", ["max_recomputed", "max_rerun_tiles"])
+@pytest.mark.parametrize("value", [0, -1, 2.5])
+def test_capacities_that_are_not_positive_ints_are_refused(name, value):
+    a, b = _operands(jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"{name} must be a positive int"):
+        matmul.checked_matmul(a, b, block_sizes=SMALL, emulate=True, **{name: value})
+
+
 def test_a_clean_correcting_call_runs_none_of_the_second_runs_work():
     """Everything after the detection-only launch but the predicate sits behind the
     ``lax.cond``: outside it the traced call has no gather, scatter or top-k (the pass after
