@@ -166,6 +166,57 @@ def test_branch_copies_counts_the_copies_inside_conditionals_only():
     assert gpu_compile_offline.branch_copies(TRAFFIC_MODULE) == {"copies": 0, "bytes": 0}
 
 
+def test_branch_kernels_counts_what_conditionals_compile_nested_ones_too():
+    module = "\n".join(
+        [
+            "HloModule jit_step",
+            "",
+            "%inner (r: bf16[8,16]) -> bf16[8,16] {",
+            "  %r = bf16[8,16]{1,0} parameter(0)",
+            "  ROOT %loop_select_fusion.9 = bf16[8,16]{1,0} fusion(%r), kind=kLoop, calls=%x",
+            "}",
+            "",
+            "%repair (p: bf16[8,16]) -> bf16[8,16] {",
+            "  %p = bf16[8,16]{1,0} parameter(0)",
+            "  %input_reduce_fusion.1 = pred[] fusion(%p), kind=kInput, calls=%x",
+            "  %loop_gather_fusion.2 = bf16[1,16]{1,0} fusion(%p), kind=kLoop, calls=%x",
+            "  ROOT %conditional.3 = bf16[8,16]{1,0} conditional(%input_reduce_fusion.1, %p, %p), "
+            "true_computation=%inner, false_computation=%keep",
+            "}",
+            "",
+            "%keep (q: bf16[8,16]) -> bf16[8,16] {",
+            "  %q = bf16[8,16]{1,0} parameter(0)",
+            "  ROOT %copy.4 = bf16[8,16]{1,0} copy(%q)",
+            "}",
+            "",
+            "ENTRY %main (x: bf16[8,16], i: pred[]) -> bf16[8,16] {",
+            "  %x = bf16[8,16]{1,0} parameter(0)",
+            "  %i = pred[] parameter(1)",
+            "  %loop_not_fusion.5 = bf16[8,16]{1,0} fusion(%x), kind=kLoop, calls=%x",
+            "  ROOT %conditional.6 = bf16[8,16]{1,0} conditional(%i, %loop_not_fusion.5, "
+            "%loop_not_fusion.5), true_computation=%repair, false_computation=%keep",
+            "}",
+            "",
+        ]
+    )
+    inside = gpu_compile_offline.branch_kernels(module)
+    # The repair's two fusions and its nested conditional, the nested branches' fusion and the
+    # copy of %keep (reached from both conditionals, counted once); the entry's fusion is not.
+    assert inside["per_kind"] == {
+        "input_reduce_fusion": 1,
+        "loop_gather_fusion": 1,
+        "conditional": 1,
+        "loop_select_fusion": 1,
+        "copy": 1,
+    }
+    assert inside["kernels"] == 5
+    assert (inside["copies"], inside["copy_bytes"]) == (1, 8 * 16 * 2)
+    assert [k["name"] for k in gpu_compile_offline.kernels(module)] == [
+        "loop_not_fusion.5",
+        "conditional.6",
+    ]
+
+
 def test_array_bytes_reads_every_dtype_and_tuple():
     assert gpu_compile_offline.array_bytes("bf16[8,1024]{1,0}") == 8 * 1024 * 2
     assert gpu_compile_offline.array_bytes("(f32[3]{0}, s8[5]{0}, pred[2]{0})") == 12 + 5 + 2

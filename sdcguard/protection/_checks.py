@@ -18,7 +18,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from sdcguard._in_place import apply_if
-from sdcguard.protection._backend import sums_low_precision_in_float32
+from sdcguard.protection._backend import (
+    reductions_share_a_pass,
+    sums_low_precision_in_float32,
+)
 from sdcguard.protection._checksums import reduce_together, row_check
 from sdcguard.protection._config import ABFTConfig, count_outcomes, zero_counts
 from sdcguard.protection._contraction import Contraction, gather_lines, set_lines, unravel
@@ -232,8 +235,17 @@ def _row_verdict(c, a, b, ct: Contraction, *, config, precision, lhs_nonnegative
         "detected": ("max", bad),  # a boolean: the repair's predicate
         "upstream": ("max", per_matrix(bad_row & ~jnp.isfinite(rows.ref))),
     }
+    # Where the reductions share a pass (a GPU), the first failed row of each matrix joins
+    # them: one more output of the same kernel, and two kernels fewer in the repair's branch,
+    # which XLA:GPU compiles for every GEMM (docs/performance.md, "Kernels inside
+    # conditionals"). On the CPU it would be one more reduction on every step.
+    first_in_pass = config.correct and reductions_share_a_pass()
     if config.correct:
         terms["flagged"] = ("sum", bad.astype(jnp.int32))
+    if first_in_pass:
+        rows_per_matrix = bad.shape[-1]
+        at = lax.broadcasted_iota(jnp.int32, bad.shape, bad.ndim - 1)
+        terms["first"] = ("min", jnp.where(bad, at, rows_per_matrix))
     reduced = reduce_together(terms, (len(ct.batch),))
 
     def clean(c):
@@ -259,7 +271,11 @@ def _row_verdict(c, a, b, ct: Contraction, *, config, precision, lhs_nonnegative
         # What the repair reads is computed here from the check's reductions: behind a cond, a
         # clean step materializes none of it.
         detected, upstream = reduced["detected"], reduced["upstream"]
-        row = jnp.argmax(per_matrix(rows.bad()), axis=-1).astype(jnp.uint32)
+        if first_in_pass:
+            # A clean matrix's "first" is one past its rows: any row will do, nothing is fixed.
+            row = jnp.minimum(reduced["first"], rows_per_matrix - 1).astype(jnp.uint32)
+        else:
+            row = jnp.argmax(per_matrix(rows.bad()), axis=-1).astype(jnp.uint32)
 
         def at_row(x):
             x = jnp.take_along_axis(

@@ -14,7 +14,7 @@ import pytest
 
 import sdcguard
 from sdcguard.fault_model import Fault, FaultPlan
-from sdcguard.protection import ABFTConfig, _checksums, checked_einsum
+from sdcguard.protection import ABFTConfig, _checks, _checksums, checked_einsum
 from sdcguard.protection._checks import check_scope, recompute_strategy, repair_strategy
 
 from tests.helpers.tolerances import assert_close
@@ -101,6 +101,82 @@ def test_a_whole_checked_step_trains_the_same(repair):
     np.testing.assert_array_equal(report["mlp:loss.grad_rhs"], [1, 1, 0, 0])
     for got, want in zip(new_w, want_w, strict=True):
         assert_close(got, want, jnp.float32)
+
+
+def _share_a_pass(monkeypatch, one_pass: bool):
+    """The check's reductions as on a GPU (one multi-output pass) or as on the CPU."""
+    monkeypatch.setattr(_checksums, "reductions_share_a_pass", lambda: one_pass)
+    monkeypatch.setattr(_checks, "reductions_share_a_pass", lambda: one_pass)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one_pass", "separate"])
+def test_each_matrix_repairs_its_first_failed_row_however_the_reductions_run(
+    one_pass, dtype, monkeypatch
+):
+    """Matrix 1 has one failed row (not its first), matrix 2 two, matrix 0 none: the first is
+    repaired, the second left as it is and counted uncorrectable, the third untouched."""
+    _share_a_pass(monkeypatch, one_pass)
+    a, b = operands(dtype)  # 3 matrices of [24, 16]
+    at = lambda matrix, row, col: (matrix * 24 + row) * 16 + col
+    plan = FaultPlan.from_faults(
+        [
+            Fault(site=SITE, kind="inf", index=at(1, 7, 3)),
+            Fault(site=SITE, kind="nan", index=at(2, 2, 0)),
+            Fault(site=SITE, kind="inf", index=at(2, 9, 5)),
+        ]
+    )
+    out, counts = run("cond", a, b, plan)
+    np.testing.assert_array_equal(counts, [2, 1, 1, 0])
+    want = jnp.einsum(SPEC, a, b)
+    assert_close(out[:2], want[:2], dtype)
+    failed = np.asarray(out[2], np.float32)[[2, 9]]
+    assert (~np.isfinite(failed)).any(axis=1).all()  # both rows left as they are
+    others = np.setdiff1d(np.arange(24), [2, 9])
+    assert_close(out[2, others], want[2, others], dtype)
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Every primitive of ``jaxpr`` and of the jaxprs inside its equations."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    names |= _primitives(inner)
+    return names
+
+
+def _repair_branches(jaxpr) -> list:
+    """The jaxprs of the branches the conds of ``jaxpr`` (at any depth) take when flagged."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            found.append(eqn.params["branches"][1].jaxpr)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    found += _repair_branches(inner)
+    return found
+
+
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one_pass", "separate"])
+def test_the_repair_finds_the_failed_row_in_the_checks_own_pass_where_reductions_share_it(
+    one_pass, monkeypatch
+):
+    """On a GPU the first failed row of each matrix is one more output of the check's
+    reduction, so the repair's branch (compiled for every GEMM) does not compute the rows'
+    flags and their ``argmax`` again; on the CPU the branch does (a reduction fewer per step)."""
+    _share_a_pass(monkeypatch, one_pass)
+    a, b = operands(jnp.bfloat16)
+    plan = FaultPlan.from_faults([], capacity=1)
+    config = ABFTConfig(repair="cond")
+    fn = lambda a, b, p: checked_einsum(SPEC, a, b, site=SITE, plan=p, config=config)
+    (branch,) = _repair_branches(jax.make_jaxpr(fn)(a, b, plan).jaxpr)
+    assert ("argmax" in _primitives(branch)) == (not one_pass)
 
 
 def _control_flow(repair) -> dict[str, int]:
