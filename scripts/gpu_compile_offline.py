@@ -1,9 +1,11 @@
 """The checked step compiled for an H200 on a machine without one: the kernels of each check.
 
 XLA:GPU compiles without a GPU when it is given the target's description (a deviceless
-topology). The fusions it makes are the ones a GPU runs, less autotuning (GEMM tilings differ;
-reductions and elementwise fusions do not). This counts the kernels each check adds, per site
-and per kind, so that a change to the checks can be judged before a GPU session.
+topology). The fusions it makes are the ones a GPU runs; the configurations XLA gives GEMMs and
+fusions are assigned without being measured (GEMM tilings differ; reductions and elementwise
+fusions do not), and the Mosaic GPU kernels go through ``ptxas`` as on a GPU. This counts the
+kernels each check adds, per site and per kind, and those inside conditionals (compiled, run
+when a branch is taken), so that a change to the checks can be judged before a GPU session.
 
 Needs JAX's CUDA plugin (``pip install "jax[cuda13]"``); no GPU, no driver. Run as:
 

@@ -19,6 +19,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -524,6 +525,32 @@ def test_kernel_lowers_for_sm90a(check, correct, checksum_gemm):
     assert len(calls) == (2 if correct else 1)
     assert ("stablehlo.case" in text) == correct
     assert ("checked_matmul" if check else "matmul") in text
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("correct", [True, False], ids=["correcting", "detect-only"])
+def test_each_distinct_kernel_is_lowered_once(correct):
+    """Three GEMMs of two shapes lower two kernels per kind, each once: the calls of one shape
+    share one Mosaic GPU module, so the step compiles one kernel per distinct shape (issue 36,
+    item 4; docs/performance.md, "Where XLA:GPU's compile time goes")."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+    a = jax.ShapeDtypeStruct((1, 256, 320), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((1, 320, 384), jnp.bfloat16)
+    a_other = jax.ShapeDtypeStruct((1, 512, 320), jnp.bfloat16)
+
+    def f(a, b1, b2, a_other):
+        gemm = functools.partial(matmul.checked_matmul, correct=correct, interpret=False)
+        (c1, n1), (c2, n2), (c3, n3) = gemm(a, b1), gemm(a, b2), gemm(a_other, b1)
+        return c1 + c2, c3, n1 + n2 + n3
+
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=device)):
+        lowered = jax.jit(f).trace(a, b, b, a_other).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    modules = re.findall(r"stablehlo.custom_call @mosaic_gpu\w*\(.*?module = (\"[^\"]*\")", text)
+    kinds = 2 if correct else 1
+    assert len(modules) == len(set(modules)) == 2 * kinds, len(modules)
 
 
 @pytest.mark.lowering
