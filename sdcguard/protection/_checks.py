@@ -273,7 +273,7 @@ def _row_verdict(c, a, b, ct: Contraction, *, config, precision, lhs_nonnegative
         detected, upstream = reduced["detected"], reduced["upstream"]
         if first_in_pass:
             # A clean matrix's "first" is one past its rows: any row will do, nothing is fixed.
-            row = jnp.minimum(reduced["first"], rows_per_matrix - 1).astype(jnp.uint32)
+            row = jnp.clip(reduced["first"], 0, max(rows_per_matrix - 1, 0)).astype(jnp.uint32)
         else:
             row = jnp.argmax(per_matrix(rows.bad()), axis=-1).astype(jnp.uint32)
 

@@ -110,9 +110,10 @@ def _share_a_pass(monkeypatch, one_pass: bool):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("repair", STRATEGIES)
 @pytest.mark.parametrize("one_pass", [True, False], ids=["one_pass", "separate"])
 def test_each_matrix_repairs_its_first_failed_row_however_the_reductions_run(
-    one_pass, dtype, monkeypatch
+    one_pass, repair, dtype, monkeypatch
 ):
     """Matrix 1 has one failed row (not its first), matrix 2 two, matrix 0 none: the first is
     repaired, the second left as it is and counted uncorrectable, the third untouched."""
@@ -126,7 +127,7 @@ def test_each_matrix_repairs_its_first_failed_row_however_the_reductions_run(
             Fault(site=SITE, kind="inf", index=at(2, 9, 5)),
         ]
     )
-    out, counts = run("cond", a, b, plan)
+    out, counts = run(repair, a, b, plan)
     np.testing.assert_array_equal(counts, [2, 1, 1, 0])
     want = jnp.einsum(SPEC, a, b)
     assert_close(out[:2], want[:2], dtype)
