@@ -237,8 +237,8 @@ def _row_verdict(c, a, b, ct: Contraction, *, config, precision, lhs_nonnegative
     }
     # Where the reductions share a pass (a GPU), the first failed row of each matrix joins
     # them: one more output of the same kernel, and two kernels fewer in the repair's branch,
-    # which XLA:GPU compiles for every GEMM (docs/performance.md, "Kernels inside
-    # conditionals"). On the CPU it would be one more reduction on every step.
+    # which XLA:GPU compiles for every GEMM (docs/performance.md, "Where XLA:GPU's compile
+    # time goes"). On the CPU it would be one more reduction on every step.
     first_in_pass = config.correct and reductions_share_a_pass()
     if config.correct:
         terms["flagged"] = ("sum", bad.astype(jnp.int32))
