@@ -16,6 +16,7 @@ import sdcguard
 from sdcguard.fault_model import Fault, FaultPlan
 from sdcguard.protection import ABFTConfig, _checks, _checksums, checked_einsum
 from sdcguard.protection._checks import check_scope, recompute_strategy, repair_strategy
+from sdcguard.protection._walk import sub_jaxprs
 
 from tests.helpers.tolerances import assert_close
 
@@ -142,11 +143,8 @@ def _primitives(jaxpr) -> set[str]:
     names = set()
     for eqn in jaxpr.eqns:
         names.add(eqn.primitive.name)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if isinstance(inner, jax.extend.core.Jaxpr):
-                    names |= _primitives(inner)
+        for inner in sub_jaxprs(eqn):
+            names |= _primitives(inner)
     return names
 
 
@@ -156,11 +154,8 @@ def _repair_branches(jaxpr) -> list:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "cond":
             found.append(eqn.params["branches"][1].jaxpr)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if isinstance(inner, jax.extend.core.Jaxpr):
-                    found += _repair_branches(inner)
+        for inner in sub_jaxprs(eqn):
+            found += _repair_branches(inner)
     return found
 
 
