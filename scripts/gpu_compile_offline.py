@@ -158,7 +158,7 @@ def inventory(hlo: str, *, top: int = 8) -> dict:
     tensors that several check kernels read, each read beyond the first a pass that a shared
     reduction could save.
     """
-    ks = kernels(hlo)
+    ks, inside = kernels(hlo), branch_kernels(hlo)
     checks = [k for k in ks if k["site"]]
     per_site = collections.Counter(k["site"] for k in checks)
     site_bytes = collections.Counter()
@@ -182,8 +182,8 @@ def inventory(hlo: str, *, top: int = 8) -> dict:
         "per_kind": dict(collections.Counter(k["kind"] for k in checks).most_common()),
         "total_bytes": sum(k["reads"] + k["writes"] for k in ks),
         "gemm_outputs_checked_bytes": sum(sizes[x] for x in readers if x in gemms),
-        "branch_copies": branch_copies(hlo),
-        "branch_kernels": branch_kernels(hlo)["kernels"],
+        "branch_copies": branch_copies(hlo, inside),
+        "branch_kernels": inside["kernels"],
         "check_bytes": sum(site_bytes.values()),
         "step_bytes": sum(k["reads"] + k["writes"] for k in ks if not k["site"]),
         "per_site_bytes": dict(site_bytes.most_common()),
@@ -257,13 +257,14 @@ def branch_kernels(hlo: str) -> dict:
     }
 
 
-def branch_copies(hlo: str) -> dict:
-    """The copies inside the branches of conditionals (:func:`branch_kernels`).
+def branch_copies(hlo: str, inside: dict | None = None) -> dict:
+    """The copies inside the branches of conditionals (:func:`branch_kernels`, or ``inside``,
+    what it returned for ``hlo``).
 
     Returns:
       ``{"copies": n, "bytes": written}``.
     """
-    inside = branch_kernels(hlo)
+    inside = branch_kernels(hlo) if inside is None else inside
     return {"copies": inside["copies"], "bytes": inside["copy_bytes"]}
 
 
@@ -315,12 +316,12 @@ def mosaic_gemm_inventory(device, m: int, k: int, n: int) -> dict:
     for name, correct in (("detect only", False), ("correcting", True)):
         fn = functools.partial(matmul.checked_matmul, correct=correct, interpret=False)
         hlo = compile_for(device, fn, operands).as_text()
-        ks = kernels(hlo)
+        ks, inside = kernels(hlo), branch_kernels(hlo)
         out[name] = {
             "kernels": len(ks),
             "per_kind": dict(collections.Counter(k["kind"] for k in ks)),
-            "branch_copies": branch_copies(hlo),
-            "branch_kernels": branch_kernels(hlo)["kernels"],
+            "branch_copies": branch_copies(hlo, inside),
+            "branch_kernels": inside["kernels"],
         }
     return out
 
