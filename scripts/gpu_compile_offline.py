@@ -93,6 +93,8 @@ _OPERANDS = re.compile(r"%([\w.\-]+)")
 # Kernels that compute a GEMM: XLA:GPU's Triton GEMM fusions, and custom calls (cuBLAS, the
 # Mosaic GPU kernels of ``implementation="pallas"``).
 _GEMM_KINDS = ("gemm_fusion", "custom-call")
+# The site suffixes of a GEMM's two gradient GEMMs.
+_GRADIENTS = (".grad_lhs", ".grad_rhs")
 # Control flow runs kernels of its own (counted in its computations), not one of its own.
 _CONTROL_FLOW = {"conditional", "while", "call"}
 
@@ -149,6 +151,7 @@ def inventory(hlo: str, *, top: int = 8) -> dict:
 
     ``total_bytes`` sums the reads and writes of every kernel (:func:`kernels` says what the
     bytes bound): the variant's minus the plain step's is what the checks add.
+    ``per_direction`` sums the checks' kernels of forward and of each gradient GEMM.
     ``check_bytes`` and ``step_bytes`` split it between the checks' kernels and the step's
     own, so a check fused with the step's work counts that work too.
     ``gemm_outputs_checked_bytes`` is the size of the GEMM outputs the checks read: the least
@@ -161,6 +164,11 @@ def inventory(hlo: str, *, top: int = 8) -> dict:
     ks, inside = kernels(hlo), branch_kernels(hlo)
     checks = [k for k in ks if k["site"]]
     per_site = collections.Counter(k["site"] for k in checks)
+    per_direction = collections.defaultdict(lambda: {"checks": 0, "kernels": 0})
+    for site, n in per_site.items():
+        direction = site.rsplit(".", 1)[-1] if site.endswith(_GRADIENTS) else "forward"
+        per_direction[direction]["checks"] += 1
+        per_direction[direction]["kernels"] += n
     site_bytes = collections.Counter()
     readers = collections.defaultdict(list)
     sizes = {}
@@ -179,6 +187,7 @@ def inventory(hlo: str, *, top: int = 8) -> dict:
         "check_kernels": len(checks),
         "sites": len(per_site),
         "per_site": dict(per_site),
+        "per_direction": dict(per_direction),
         "per_kind": dict(collections.Counter(k["kind"] for k in checks).most_common()),
         "total_bytes": sum(k["reads"] + k["writes"] for k in ks),
         "gemm_outputs_checked_bytes": sum(sizes[x] for x in readers if x in gemms),
@@ -326,6 +335,83 @@ def mosaic_gemm_inventory(device, m: int, k: int, n: int) -> dict:
     return out
 
 
+def fusion_probes(device) -> dict:
+    """What XLA:GPU fuses, on small programs shaped like a check's vector work, for ``device``.
+
+    Each probe is compiled for ``device`` and counted as :func:`kernels` counts a step: a
+    check's kernel count is bounded by these rules, whatever jnp formulation it takes
+    (docs/performance.md, "What XLA:GPU will not fuse"). Returns ``{probe: {"kernels": n,
+    "per_kind": {...}, "what": description}}``.
+    """
+    import jax.numpy as jnp
+
+    f32 = jnp.float32
+    sites = 40
+
+    def verdict(r, s, m):
+        # A check's verdict: the rows' comparison reduced to one flag per matrix.
+        return jnp.any(~(jnp.abs(s - r) <= m))
+
+    def rows_then_verdict(c, r, m):
+        # The row sums of C, then the comparison: elementwise work after a reduction.
+        return ~(jnp.abs(jnp.sum(c.astype(f32), axis=-1) - r) <= m)
+
+    def counts(flags):
+        one = [jnp.stack([f, 0 * f, f, 0 * f]) for f in flags]  # [4] per site, as reports hold
+        return {"per site": one, "stacked": jnp.stack(one)}
+
+    def scaled(v, w, s):
+        return v * s, w * s
+
+    def vec(*shape, dtype=f32):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    def scalar(dtype):
+        return jax.ShapeDtypeStruct((), dtype)
+
+    probes = {
+        "verdict of 8192 rows": (
+            verdict,
+            (vec(8, 1024),) * 3,
+            "a reduction to one flag of 8192 rows: its elementwise comparison a kernel of its own",
+        ),
+        "verdict of 65536 rows": (
+            verdict,
+            (vec(64, 1024),) * 3,
+            "the same over 65536 rows: a two-stage reduction, the comparison fused into the first",
+        ),
+        "row sums then comparison": (
+            rows_then_verdict,
+            (vec(8192, 4096, dtype=jnp.bfloat16), vec(8192), vec(8192)),
+            "elementwise work after a row reduction: no epilogue fusion",
+        ),
+        "per-site counters": (
+            lambda *flags: counts(flags)["per site"],
+            (scalar(jnp.int32),) * sites,
+            f"{sites} sites' [4] counters as {sites} outputs: one kernel per output",
+        ),
+        "stacked counters": (
+            lambda *flags: counts(flags)["stacked"],
+            (scalar(jnp.int32),) * sites,
+            f"the same counters as one [{sites}, 4] output",
+        ),
+        "two scalings of one scale": (
+            scaled,
+            (vec(4096), vec(4096), scalar(f32)),
+            "two elementwise products with one scalar: two kernels (no sibling fusion)",
+        ),
+    }
+    out = {}
+    for name, (fn, specs, what) in probes.items():
+        ks = kernels(compile_for(device, fn, specs).as_text())
+        out[name] = {
+            "kernels": len(ks),
+            "per_kind": dict(collections.Counter(k["kind"] for k in ks)),
+            "what": what,
+        }
+    return out
+
+
 def _traffic(inv: dict, plain: dict | None) -> str:
     """One line on the bytes a variant's kernels move (:func:`inventory`)."""
     gb = 1e9
@@ -372,8 +458,20 @@ def main() -> int:
         metavar="MxKxN",
         help="inventory the Mosaic checked GEMM (detect only, correcting) at these shapes",
     )
+    parser.add_argument(
+        "--fusion-probes",
+        action="store_true",
+        help="count the kernels of small programs that show what XLA:GPU fuses (fusion_probes)",
+    )
     args = parser.parse_args()
     device = gpu_device()
+    if args.fusion_probes:
+        probes = fusion_probes(device)
+        for name, probe in probes.items():
+            print(f"{name}: {probe['kernels']} kernels {probe['per_kind']}; {probe['what']}")
+        if args.out:
+            args.out.write_text(json.dumps(probes, indent=2))
+        return 0
     if args.mosaic_gemm:
         gemms = {}
         for shape in args.mosaic_gemm:
@@ -422,6 +520,11 @@ def main() -> int:
             flush=True,
         )
         print(f"  {_traffic(inv, result.get('plain'))}", flush=True)
+        directions = ", ".join(
+            f"{d} {x['kernels'] / x['checks']:.2f}" for d, x in sorted(inv["per_direction"].items())
+        )
+        if directions:
+            print(f"  kernels per check: {directions}", flush=True)
         if args.site:
             for k in kernels(hlo):
                 if k["site"] and re.search(args.site, k["site"]):

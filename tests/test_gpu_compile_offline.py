@@ -68,6 +68,10 @@ def test_each_kernel_is_counted_under_its_check():
     assert inv["check_kernels"] == 2  # the GEMM is the step's; the bare-scope cond no site's
     assert inv["per_site"] == {"a|b:dot_general": 1, "a|b:dot_general.grad_lhs": 1}
     assert inv["per_kind"] == {"input_reduce_fusion": 1, "loop_not_fusion": 1}
+    assert inv["per_direction"] == {
+        "forward": {"checks": 1, "kernels": 1},
+        "grad_lhs": {"checks": 1, "kernels": 1},
+    }
 
 
 # A GEMM whose bf16 output two checks read (the scale's reduction and the row sums), and the
@@ -300,3 +304,25 @@ def test_a_clean_correcting_mosaic_gemm_launches_what_detection_does_and_copies_
     assert correcting["per_kind"].get("conditional") == 1
     assert correcting["per_kind"].get("custom-call") == 1  # the detection kernel alone
     assert correcting["kernels"] <= detect["kernels"]
+
+
+@pytest.mark.skipif(
+    not _has_cuda_plugin(),
+    reason="needs JAX's CUDA plugin (pip install 'jax[cuda13]'); no GPU needed",
+)
+def test_the_fusion_probes_show_what_bounds_a_checks_kernels(tmp_path):
+    """What docs/performance.md ("What XLA:GPU will not fuse") states, compiled for an H200:
+    a small verdict's comparison and the work after a row reduction are kernels of their own,
+    and each output of a step is one kernel while one stacked output is one in all."""
+    out = tmp_path / "probes.json"
+    env = {**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), str(SCRIPT.parent)])
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "--fusion-probes", "--out", str(out)], check=True, env=env
+    )
+    probes = {name: p["kernels"] for name, p in json.loads(out.read_text()).items()}
+    assert probes["verdict of 8192 rows"] == 2
+    assert probes["row sums then comparison"] == 2
+    assert probes["per-site counters"] >= 40
+    assert probes["stacked counters"] == 1
+    assert probes["two scalings of one scale"] == 2
