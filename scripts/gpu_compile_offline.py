@@ -346,7 +346,7 @@ def fusion_probes(device) -> dict:
     import jax.numpy as jnp
 
     f32 = jnp.float32
-    sites = 40
+    sites = 99
 
     def verdict(r, s, m):
         # A check's verdict: the rows' comparison reduced to one flag per matrix.
@@ -356,9 +356,13 @@ def fusion_probes(device) -> dict:
         # The row sums of C, then the comparison: elementwise work after a reduction.
         return ~(jnp.abs(jnp.sum(c.astype(f32), axis=-1) - r) <= m)
 
-    def counts(flags):
-        one = [jnp.stack([f, 0 * f, f, 0 * f]) for f in flags]  # [4] per site, as reports hold
-        return {"per site": one, "stacked": jnp.stack(one)}
+    def counters(xs, *, stacked):
+        # Each site's flag from a reduction of its own, then [4] counters as reports hold them.
+        flags = [jnp.any(x > 1).astype(jnp.int32) for x in xs]
+        if stacked:
+            d = jnp.stack(flags)
+            return jnp.stack([d, 0 * d, d, 0 * d], axis=1)
+        return [jnp.stack([d, 0 * d, d, 0 * d]) for d in flags]
 
     def scaled(v, w, s):
         return v * s, w * s
@@ -386,14 +390,14 @@ def fusion_probes(device) -> dict:
             "elementwise work after a row reduction: no epilogue fusion",
         ),
         "per-site counters": (
-            lambda *flags: counts(flags)["per site"],
-            (scalar(jnp.int32),) * sites,
-            f"{sites} sites' [4] counters as {sites} outputs: one kernel per output",
+            lambda *xs: counters(xs, stacked=False),
+            (vec(8, 1024),) * sites,
+            f"{sites} sites' flags, each reduced, as {sites} [4] outputs: one kernel per output",
         ),
         "stacked counters": (
-            lambda *flags: counts(flags)["stacked"],
-            (scalar(jnp.int32),) * sites,
-            f"the same counters as one [{sites}, 4] output",
+            lambda *xs: counters(xs, stacked=True),
+            (vec(8, 1024),) * sites,
+            f"the same flags as one [{sites}, 4] output: a few kernels in all",
         ),
         "two scalings of one scale": (
             scaled,
