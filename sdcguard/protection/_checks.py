@@ -159,6 +159,14 @@ def apply_verdicts(
     if len(pairs) > 1 and not config.group_repairs:
         return [apply_verdicts([v], [c], config)[0] for v, c in pairs]
     anything = functools.reduce(jnp.logical_or, [v.flagged for v in verdicts])
+
+    def passed_on(v):
+        # The branch a clean group takes: no check flagged, so none detected anything (a
+        # non-finite input is a detection too) and every count is zero, typed like the flag
+        # (varying across devices inside shard_map, as the repair's counts are). Constant
+        # zeros: on a GPU the clean branch launches no kernel for them.
+        return lambda c: (c, zero_counts() + jnp.zeros_like(v.flagged, jnp.int32))
+
     # The group's cond is named by its first GEMM's site (each repair by its own): a profile
     # then counts the cond's own cost under a site of the group.
     with jax.named_scope(check_scope(verdicts[0].site)):
@@ -166,7 +174,7 @@ def apply_verdicts(
             lax.cond(
                 anything,
                 lambda cs: each(lambda v: v.repair, cs),
-                lambda cs: each(lambda v: v.clean, cs),
+                lambda cs: each(passed_on, cs),
                 tuple(outputs),
             )
         )
@@ -249,8 +257,7 @@ def _row_verdict(c, a, b, ct: Contraction, *, config, precision, lhs_nonnegative
     reduced = reduce_together(terms, (len(ct.batch),))
 
     def clean(c):
-        # The counts of the check alone, from its own data: inside shard_map both branches of a
-        # cond are typed alike.
+        # The counts of the check alone: what a detection-only check reports.
         detected, upstream = reduced["detected"], reduced["upstream"]
         return c, count_outcomes(jnp.sum(detected), 0, jnp.sum(upstream))
 

@@ -17,6 +17,7 @@ import sdcguard
 from sdcguard import ABFTConfig
 from sdcguard.fault_model import Fault, FaultPlan
 from sdcguard.protection import Counts, checked_einsum, total
+from sdcguard.protection._walk import sub_jaxprs
 
 from tests.helpers.tolerances import assert_close
 
@@ -82,6 +83,31 @@ def test_a_layers_two_gradient_gemms_share_a_cond():
     for config, conds in ((GROUPED, 1 + 1), (PER_GEMM, 1 + 2)):
         grads = jax.grad(functools.partial(loss, config=config), argnums=(0, 1))
         assert _conds(jax.make_jaxpr(grads)(a, b).jaxpr) == conds  # forward's, backward's
+
+
+def _clean_branches(jaxpr) -> list:
+    """The branches the conds of ``jaxpr`` (at any depth) take when nothing flagged."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            found.append(eqn.params["branches"][0].jaxpr)
+        for inner in sub_jaxprs(eqn):
+            found += _clean_branches(inner)
+    return found
+
+
+@pytest.mark.parametrize("config", [GROUPED, PER_GEMM], ids=["grouped", "per_gemm"])
+def test_a_clean_branch_computes_no_counters(config):
+    """No check of a group flagged, so every count is zero: the branch a clean step takes
+    passes the outputs on with constant zeros (a reduction or a stack there is a kernel that
+    a GPU runs on every clean step, one per GEMM)."""
+    params, x = inputs(jnp.bfloat16)
+    branches = _clean_branches(jax.make_jaxpr(sdcguard.checked(step, config))(params, x).jaxpr)
+    assert branches
+    for branch in branches:
+        computed = {e.primitive.name for e in branch.eqns}
+        assert computed <= {"broadcast_in_dim", "add", "pvary"}, computed
+        assert not any(e.primitive.name.startswith("reduce") for e in branch.eqns)
 
 
 @functools.cache
