@@ -157,7 +157,8 @@ def inventory(hlo: str, *, top: int = 8) -> dict:
     ``gemm_outputs_checked_bytes`` is the size of the GEMM outputs the checks read: the least
     that checks which read each output once can add. ``branch_kernels`` counts the kernels
     inside conditionals, which ``kernels`` leaves out (:func:`branch_kernels`), and
-    ``branch_copies`` the copies among them. ``reread`` lists the ``top`` largest
+    ``branch_copies`` the copies among them; ``clean_branch_kernels`` those a clean step runs
+    (:func:`clean_branch_kernels`). ``reread`` lists the ``top`` largest
     tensors that several check kernels read, each read beyond the first a pass that a shared
     reduction could save.
     """
@@ -193,6 +194,7 @@ def inventory(hlo: str, *, top: int = 8) -> dict:
         "gemm_outputs_checked_bytes": sum(sizes[x] for x in readers if x in gemms),
         "branch_copies": branch_copies(hlo, inside),
         "branch_kernels": inside["kernels"],
+        "clean_branch_kernels": clean_branch_kernels(hlo)["kernels"],
         "check_bytes": sum(site_bytes.values()),
         "step_bytes": sum(k["reads"] + k["writes"] for k in ks if not k["site"]),
         "per_site_bytes": dict(site_bytes.most_common()),
@@ -264,6 +266,41 @@ def branch_kernels(hlo: str) -> dict:
         "copies": copies,
         "copy_bytes": written,
     }
+
+
+def _clean_branch(line: str) -> str | None:
+    """The branch a conditional's line takes when nothing flagged: ``false_computation``, or
+    branch 0 of an indexed one (``lax.cond`` and ``indexed_cond`` put the clean branch there)."""
+    found = re.search(r"false_computation=%([\w.\-]+)", line)
+    if found:
+        return found.group(1)
+    listed = re.search(r"branch_computations=\{([^}]*)\}", line)
+    return listed.group(1).split(",")[0].strip().lstrip("%") if listed else None
+
+
+def clean_branch_kernels(hlo: str) -> dict:
+    """The kernels a clean step runs inside conditionals: the clean branch of each of the
+    entry's conditionals (:func:`_clean_branch`), and of the conditionals nested in it, counted
+    once per conditional (each runs).
+
+    Returns:
+      ``{"kernels": n, "per_kind": {kind: n}}``.
+    """
+    computations = _computations(hlo)
+    entry = hlo[hlo.index("\nENTRY") :].split("\n")[1:]
+    pending = [_clean_branch(line) for line in entry if " conditional(" in line]
+    kinds = collections.Counter()
+    while pending:
+        lines = computations.get(pending.pop(), [])
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if not m or m.group(3) in _NO_KERNEL:
+                continue
+            if m.group(3) == "conditional":
+                pending.append(_clean_branch(line))
+                continue
+            kinds[m.group(1).rsplit(".", 1)[0] if m.group(3) == "fusion" else m.group(3)] += 1
+    return {"kernels": sum(kinds.values()), "per_kind": dict(kinds.most_common())}
 
 
 def branch_copies(hlo: str, inside: dict | None = None) -> dict:
@@ -517,8 +554,9 @@ def main() -> int:
         per = inv["check_kernels"] / max(inv["sites"], 1)
         print(
             f"{name}: {inv['kernels']} kernels and {inv['branch_kernels']} more inside "
-            f"conditionals; compiled in {seconds:.1f} s ({inv['lower_s']:.1f} s of it tracing "
-            f"and lowering; XLA assigns GEMM and fusion configurations without measuring them); "
+            f"conditionals ({inv['clean_branch_kernels']} run on a clean step); compiled in "
+            f"{seconds:.1f} s ({inv['lower_s']:.1f} s of it tracing and lowering; XLA assigns "
+            f"GEMM and fusion configurations without measuring them); "
             f"checks {inv['check_kernels']} over {inv['sites']} sites ({per:.2f} per check); "
             f"{inv['per_kind']}",
             flush=True,

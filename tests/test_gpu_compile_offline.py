@@ -253,12 +253,15 @@ def test_the_checked_step_compiles_for_an_h200_without_one(tmp_path):
     # The checks read each checked GEMM's output at least once.
     added = detect["total_bytes"] - inv["plain"]["total_bytes"]
     assert added >= detect["gemm_outputs_checked_bytes"] > 0
-    # A clean step copies nothing through a conditional: the repairs' (predicated) pass C on
-    # in place, the recomputation's (indexed) the step's outputs; it copies only the stacked
-    # int32 [sites, 4] counters it merges (a predicated one copied every output).
-    assert inv["in place"]["branch_copies"] == {"copies": 0, "bytes": 0}
-    recompute = inv["recompute"]
-    assert recompute["branch_copies"]["bytes"] <= recompute["sites"] * 4 * 4
+    # A clean step copies no checked tensor through a conditional: the repairs' (predicated)
+    # pass C on in place, the recomputation's (indexed) the step's outputs. Both copy int32
+    # [4] counters only: the repairs' clean branch writes each site's zeros (a copy of one
+    # zero broadcast per group), the recomputation's the counters it merges (a predicated
+    # conditional copied every output).
+    for name in ("in place", "recompute"):
+        assert inv[name]["branch_copies"]["bytes"] <= inv[name]["sites"] * 4 * 4, name
+    # The clean branches write the counters and compute nothing: at most a kernel per site.
+    assert inv["in place"]["clean_branch_kernels"] <= inv["in place"]["sites"]
     # Every reduction of a check is XLA:GPU's reduction kernel: none a loop over strided
     # elements (a projection's [b, h, s, d] output summed over h and d at once was one).
     for name in ("detect only", "in place", "recompute"):
@@ -328,3 +331,47 @@ def test_the_fusion_probes_show_what_bounds_a_checks_kernels(tmp_path):
     assert probes["per-site counters"] == 2 * 99
     assert probes["stacked counters"] <= 99 + 3
     assert probes["two scalings of one scale"] == 2
+
+
+def test_clean_branch_kernels_counts_what_a_clean_step_runs_in_each_conditional():
+    module = "\n".join(
+        [
+            "HloModule jit_step",
+            "",
+            "%repair (p: bf16[8,16]) -> bf16[8,16] {",
+            "  %p = bf16[8,16]{1,0} parameter(0)",
+            "  ROOT %loop_gather_fusion.1 = bf16[8,16]{1,0} fusion(%p), kind=kLoop, calls=%x",
+            "}",
+            "",
+            "%keep (q: bf16[8,16]) -> bf16[8,16] {",
+            "  %q = bf16[8,16]{1,0} parameter(0)",
+            "  ROOT %loop_broadcast_fusion.2 = bf16[8,16]{1,0} fusion(), kind=kLoop, calls=%x",
+            "}",
+            "",
+            "%outer_keep (r: bf16[8,16]) -> bf16[8,16] {",
+            "  %r = bf16[8,16]{1,0} parameter(0)",
+            "  %i = pred[] constant(false)",
+            "  %copy.3 = bf16[8,16]{1,0} copy(%r)",
+            "  ROOT %conditional.4 = bf16[8,16]{1,0} conditional(%i, %copy.3, %copy.3), "
+            "true_computation=%repair, false_computation=%keep",
+            "}",
+            "",
+            "ENTRY %main (x: bf16[8,16], i: pred[], j: s32[]) -> (bf16[8,16], bf16[8,16]) {",
+            "  %x = bf16[8,16]{1,0} parameter(0)",
+            "  %i = pred[] parameter(1)",
+            "  %j = s32[] parameter(2)",
+            "  %conditional.5 = bf16[8,16]{1,0} conditional(%i, %x, %x), "
+            "true_computation=%repair, false_computation=%outer_keep",
+            "  %conditional.6 = bf16[8,16]{1,0} conditional(%j, %x, %x), "
+            "branch_computations={%keep, %repair}",
+            "  ROOT %tuple.7 = (bf16[8,16]{1,0}, bf16[8,16]{1,0}) tuple(%conditional.5, "
+            "%conditional.6)",
+            "}",
+            "",
+        ]
+    )
+    clean = gpu_compile_offline.clean_branch_kernels(module)
+    # conditional.5's clean branch: its copy, and the clean branch of the conditional nested
+    # in it; conditional.6's branch 0 (an indexed conditional's clean one): %keep again, run
+    # once more. No repair.
+    assert clean == {"kernels": 3, "per_kind": {"loop_broadcast_fusion": 2, "copy": 1}}
