@@ -377,8 +377,10 @@ def fusion_probes(device) -> dict:
 
     Each probe is compiled for ``device`` and counted as :func:`kernels` counts a step: a
     check's kernel count is bounded by these rules, whatever jnp formulation it takes
-    (docs/performance.md, "What XLA:GPU will not fuse"). Returns ``{probe: {"kernels": n,
-    "per_kind": {...}, "what": description}}``.
+    (docs/performance.md, "What bounds a check's kernels on XLA:GPU").
+
+    Returns:
+      ``{probe: {"kernels": n, "per_kind": {...}, "what": description}}``.
     """
     import jax.numpy as jnp
 

@@ -23,7 +23,7 @@ from sdcguard.protection._backend import (
     sums_low_precision_in_float32,
 )
 from sdcguard.protection._checksums import reduce_together, row_check
-from sdcguard.protection._config import ABFTConfig, count_outcomes, zero_counts
+from sdcguard.protection._config import ABFTConfig, count_outcomes, zero_counts_like
 from sdcguard.protection._contraction import Contraction, gather_lines, set_lines, unravel
 from sdcguard.protection._tolerance import (
     element_tolerance,
@@ -162,10 +162,9 @@ def apply_verdicts(
 
     def passed_on(v):
         # The branch a clean group takes: no check flagged, so none detected anything (a
-        # non-finite input is a detection too) and every count is zero, typed like the flag
-        # (varying across devices inside shard_map, as the repair's counts are). Constant
-        # zeros: on a GPU the clean branch launches no kernel for them.
-        return lambda c: (c, zero_counts() + jnp.zeros_like(v.flagged, jnp.int32))
+        # non-finite input is a detection too) and every count is zero. The branch computes
+        # nothing; on a GPU it only writes each GEMM's zeros.
+        return lambda c: (c, zero_counts_like(v.flagged))
 
     # The group's cond is named by its first GEMM's site (each repair by its own): a profile
     # then counts the cond's own cost under a site of the group.
@@ -397,10 +396,8 @@ def repair_if(flagged: jax.Array, repair, x: jax.Array) -> tuple[jax.Array, jax.
     Returns:
       ``(x or x_repaired, int32 [detected, corrected, uncorrectable, nonfinite_input])``.
     """
-    # Zero counts typed like the flag (varying across devices inside shard_map, as the counts
-    # the repair computes from the device's own data are), so the loop's carry keeps its type.
-    zeros = zero_counts() + jnp.zeros_like(flagged, jnp.int32)
-    return apply_if(flagged, lambda checked: repair(checked[0]), (x, zeros))
+    # Zero counts typed like the flag, so the loop's carry keeps its type.
+    return apply_if(flagged, lambda checked: repair(checked[0]), (x, zero_counts_like(flagged)))
 
 
 def _recomputed_rows(a, b, ct: Contraction, matrix_at: dict, dims: dict) -> jax.Array:

@@ -193,6 +193,13 @@ def zero_counts() -> jax.Array:
     return Counts.zeros()
 
 
+def zero_counts_like(flag: jax.Array) -> jax.Array:
+    """int32 ``[4]`` zeros typed like ``flag``, a check's predicate: varying across devices
+    inside ``shard_map``, as the counts a repair computes from the device's own data are (the
+    two branches of a cond, and a loop's carry, keep one type)."""
+    return zero_counts() + jnp.zeros_like(flag, jnp.int32)
+
+
 def count_outcomes(detected: jax.Array, corrected: jax.Array, nonfinite_input=0) -> jax.Array:
     """int32 ``[detected, corrected, uncorrectable, nonfinite_input]`` of scalar counts.
 

@@ -62,7 +62,7 @@ from jax import lax
 
 from sdcguard import fault_model as inject
 from sdcguard.protection._checks import check_contraction
-from sdcguard.protection._config import ABFTConfig, zero_counts
+from sdcguard.protection._config import ABFTConfig, zero_counts, zero_counts_like
 from sdcguard.protection._contraction import Contraction
 from sdcguard.protection.pallas import matmul_mgpu, verify
 from sdcguard.protection.pallas._platform import mosaic_interpret_mode, num_sms, resolve_interpret
@@ -434,9 +434,7 @@ def locate_if_flagged(
         )
 
     def clean(c):
-        # Zero counters typed like the predicate (varying across devices inside shard_map, as
-        # the flagged branch's are).
-        return c, zero_counts() + jnp.zeros_like(anything, jnp.int32)
+        return c, zero_counts_like(anything)
 
     return lax.cond(anything, rerun, clean, c)
 
