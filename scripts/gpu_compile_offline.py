@@ -108,6 +108,11 @@ def array_bytes(hlo_type: str) -> int:
     return total
 
 
+def _kind(name: str, op: str) -> str:
+    """A kernel's kind: a fusion's name without its number (``loop_not_fusion``), else its op."""
+    return name.rsplit(".", 1)[0] if op == "fusion" else op
+
+
 def kernels(hlo: str) -> list[dict]:
     """The entry computation's kernel-launching instructions.
 
@@ -129,7 +134,7 @@ def kernels(hlo: str) -> list[dict]:
             continue
         op_name = re.search(r'op_name="([^"]*)"', line)
         site = _CHECK.search(op_name.group(1)) if op_name else None
-        kind = name.rsplit(".", 1)[0] if op == "fusion" else op
+        kind = _kind(name, op)
         args = line[m.end() :].split(")", 1)[0]
         operands = {x: array_bytes(types[x]) for x in _OPERANDS.findall(args) if x in types}
         moves = op not in _CONTROL_FLOW
@@ -256,7 +261,7 @@ def branch_kernels(hlo: str) -> dict:
             if not m or m.group(3) in _NO_KERNEL:
                 continue
             instruction, hlo_type, op = m.groups()
-            kinds[instruction.rsplit(".", 1)[0] if op == "fusion" else op] += 1
+            kinds[_kind(instruction, op)] += 1
             if op == "copy":
                 copies += 1
                 written += array_bytes(hlo_type)
@@ -299,7 +304,7 @@ def clean_branch_kernels(hlo: str) -> dict:
             if m.group(3) == "conditional":
                 pending.append(_clean_branch(line))
                 continue
-            kinds[m.group(1).rsplit(".", 1)[0] if m.group(3) == "fusion" else m.group(3)] += 1
+            kinds[_kind(m.group(1), m.group(3))] += 1
     return {"kernels": sum(kinds.values()), "per_kind": dict(kinds.most_common())}
 
 

@@ -96,12 +96,13 @@ def _clean_branches(jaxpr) -> list:
     return found
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", [GROUPED, PER_GEMM], ids=["grouped", "per_gemm"])
-def test_a_clean_branch_computes_no_counters(config):
+def test_a_clean_branch_computes_no_counters(config, dtype):
     """No check of a group flagged, so every count is zero: the branch a clean step takes
     passes the outputs on with constant zeros (a reduction or a stack there is a kernel that
     a GPU runs on every clean step, one per GEMM)."""
-    params, x = inputs(jnp.bfloat16)
+    params, x = inputs(dtype)
     branches = _clean_branches(jax.make_jaxpr(sdcguard.checked(step, config))(params, x).jaxpr)
     assert branches
     for branch in branches:
