@@ -6,7 +6,9 @@ square-ish ones and the GEMMs of a d-1024 LM step, forward and backward, :data:`
 - JAX's unmodified Hopper GEMM (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``) and
   ``sdcguard``'s checked GEMM unchecked / checked / detect-only, each against cuBLAS
   (``jnp.dot``); checked and detect-only again with the checksum GEMM separate
-  (``checksum_gemm="separate"``: the expected row sums as an XLA GEMM before the kernel);
+  (``checksum_gemm="separate"``: the expected row sums as an XLA GEMM before the kernel) and
+  with the rows' bounds from the ``A`` panels in shared memory (``row_bounds="fused"``: no
+  pass over ``A`` before the kernel);
 - each part of the checked GEMM as a compiled function of its own, on the outputs of the part
   before it: the passes before the kernel over ``B`` (padding, the checksum operand) and over
   ``A`` (padding, the per-row thresholds), both together, the detection-only kernel alone (what
@@ -235,6 +237,18 @@ GEMM_SHAPES = {
 # The parts of the checked GEMM, each timed alone (the kernel with correct=True).
 STAGES = ("before: over B", "before: over A", "before: A and B", "kernel", "after")
 PARTS = ("before: A and B", "kernel", "after")
+# What a GEMM case times (:func:`gemm_case`), against cuBLAS.
+GEMM_VARIANTS = (
+    "jax_hopper",
+    "unchecked",
+    "checked",
+    "detect_only",
+    "checked, separate checksum GEMM",
+    "detect_only, separate checksum GEMM",
+    "checked, row bounds in the kernel",
+    "detect_only, row bounds in the kernel",
+    *(f"checked: {stage}" for stage in STAGES),
+)
 
 
 def block_sizes_for(size: str):
@@ -274,18 +288,16 @@ def stage_variants(a, b, block_sizes) -> dict[str, Compiled]:
     over_b = functools.partial(
         matmul.pass_over_b, a_shape=a3.shape, check=True, block_sizes=bs, transposed=transposed
     )
-    over_a = functools.partial(
-        matmul.pass_over_a, b_shape=b3.shape, check=True, safety=1.0, block_sizes=bs
+    settings = matmul_mgpu.KernelSettings(
+        out_dtype=a.dtype, block_sizes=bs, near_inf=ABFTConfig().near_inf
     )
+    over_a = functools.partial(matmul.pass_over_a, b_shape=b3.shape, settings=settings)
 
     def before(a, b):
         b_p, bc, scales, magnitudes = over_b(b)
         a_p, params = over_a(a, scales, magnitudes)
         return a_p, b_p, bc, params
 
-    settings = matmul_mgpu.KernelSettings(
-        out_dtype=a.dtype, block_sizes=bs, near_inf=ABFTConfig().near_inf
-    )
     detecting = dataclasses.replace(settings, correct=False)
     # What a clean correcting call runs: the detection-only kernel, then the predicate on its
     # statuses and the conditional whose branch (the correcting kernel, the pass after it)
@@ -309,9 +321,11 @@ def stage_variants(a, b, block_sizes) -> dict[str, Compiled]:
     return variants
 
 
-def gemm_case(name: str, m: int, n: int, k: int, *, size: str, dtype=jnp.bfloat16) -> Case:
-    """One GEMM shape: cuBLAS, JAX's Hopper GEMM (not at ``tiny``), the checked GEMM three ways
-    and its parts."""
+def gemm_case(
+    name: str, m: int, n: int, k: int, *, size: str, dtype=jnp.bfloat16, variants=None
+) -> Case:
+    """One GEMM shape: cuBLAS, JAX's Hopper GEMM (not at ``tiny``), the checked GEMM several
+    ways and its parts (``variants``: only these, beside cuBLAS; None: all)."""
     from sdcguard.protection.pallas import matmul
 
     bs = block_sizes_for(size)
@@ -333,21 +347,32 @@ def gemm_case(name: str, m: int, n: int, k: int, *, size: str, dtype=jnp.bfloat1
         "detect_only, separate checksum GEMM": functools.partial(
             matmul.checked_matmul, correct=False, block_sizes=bs, checksum_gemm="separate"
         ),
+        # The rows' bounds from the A panels in shared memory, not an XLA pass over A.
+        "checked, row bounds in the kernel": functools.partial(
+            matmul.checked_matmul, block_sizes=bs, row_bounds="fused"
+        ),
+        "detect_only, row bounds in the kernel": functools.partial(
+            matmul.checked_matmul, correct=False, block_sizes=bs, row_bounds="fused"
+        ),
     }
-    variants = {v: Compiled(f, a, b) for v, f in fns.items()}
-    variants |= {f"checked: {s}": v for s, v in stage_variants(a, b, bs).items()}
+    assert set(fns) <= {"cublas", *GEMM_VARIANTS}, set(fns)
+    wanted = lambda v: variants is None or v == "cublas" or v in variants
+    compiled = {v: Compiled(f, a, b) for v, f in fns.items() if wanted(v)}
+    if any(wanted(f"checked: {s}") for s in STAGES):
+        stages = stage_variants(a, b, bs).items()
+        compiled |= {f"checked: {s}": v for s, v in stages if wanted(f"checked: {s}")}
     return Case(
         name=f"gemm {name} ({m}x{n}x{k})",
         baseline="cublas",
-        variants=variants,
+        variants=compiled,
         flops=2.0 * m * n * k,
     )
 
 
-def gemm_cases(size: str = "lm", dtype=jnp.bfloat16) -> list[Callable[[], Case]]:
-    """The GEMM cases, each built when it is timed."""
+def gemm_cases(size: str = "lm", dtype=jnp.bfloat16, variants=None) -> list[Callable[[], Case]]:
+    """The GEMM cases, each built when it is timed (``variants``: as for :func:`gemm_case`)."""
     return [
-        functools.partial(gemm_case, name, m, n, k, size=size, dtype=dtype)
+        functools.partial(gemm_case, name, m, n, k, size=size, dtype=dtype, variants=variants)
         for name, m, n, k in GEMM_SHAPES[size]
     ]
 
@@ -504,6 +529,13 @@ def main(argv=None) -> int:
         "--shapes", nargs="+", default=None, metavar="NAME", help="time only these shapes"
     )
     parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="time only these variants beside cuBLAS (e.g. 'detect_only' 'checked: kernel')",
+    )
+    parser.add_argument(
         "--device-time",
         type=Path,
         default=None,
@@ -511,6 +543,9 @@ def main(argv=None) -> int:
         help="also profile every variant into DIR and report its kernels' device time",
     )
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.variants or ()) - set(GEMM_VARIANTS))
+    if unknown:
+        parser.error(f"--variants {unknown}: not variants; use some of {list(GEMM_VARIANTS)}")
     if args.force:
         # The interpreter's warpgroup threads block in XLA:CPU's pool: it needs four threads.
         os.environ.setdefault("PJRT_NPROC", "4")
@@ -547,7 +582,7 @@ def main(argv=None) -> int:
     fault = fault_corrected(size)
     print(f"injected INF on {device}: {fault}", flush=True)
     report["fault"] = {"device": device, **fault}
-    builders = dict(zip(shapes, gemm_cases(size), strict=True))
+    builders = dict(zip(shapes, gemm_cases(size, variants=args.variants), strict=True))
     builders = {name: builders[name] for name in timed}
     if args.trace is not None:  # built once: timed, then traced
         builders[trace_shape] = functools.cache(builders[trace_shape])

@@ -349,9 +349,12 @@ def mosaic_gemm_inventory(device, m: int, k: int, n: int) -> dict:
     """The Mosaic checked GEMM (``checked_matmul``, ``[1, m, k] x [1, k, n]`` bf16) compiled
     for an H200, detection only and correcting.
 
-    Per variant: the kernels a clean call launches (the entry computation's; a conditional,
-    whose branches run only when a tile flagged, counts as one), per kind, and the copies in
-    the conditionals' branches (:func:`branch_copies`: a copy there runs on every clean call).
+    Per variant (detection only and correcting, each with the rows' bounds from an XLA pass
+    over ``A`` and from the kernel's shared memory, ``row_bounds="fused"``): the kernels a
+    clean call launches (the entry computation's; a conditional, whose branches run only when
+    a tile flagged, counts as one), per kind, the bytes they move (the Mosaic kernel's
+    operands and outputs included), and the copies in the conditionals' branches
+    (:func:`branch_copies`: a copy there runs on every clean call).
     """
     import functools
 
@@ -365,15 +368,19 @@ def mosaic_gemm_inventory(device, m: int, k: int, n: int) -> dict:
     )
     out = {}
     for name, correct in (("detect only", False), ("correcting", True)):
-        fn = functools.partial(matmul.checked_matmul, correct=correct, interpret=False)
-        hlo = compile_for(device, fn, operands).as_text()
-        ks, inside = kernels(hlo), branch_kernels(hlo)
-        out[name] = {
-            "kernels": len(ks),
-            "per_kind": dict(collections.Counter(k["kind"] for k in ks)),
-            "branch_copies": branch_copies(hlo, inside),
-            "branch_kernels": inside["kernels"],
-        }
+        for suffix, row_bounds in (("", "separate"), (", row bounds in the kernel", "fused")):
+            fn = functools.partial(
+                matmul.checked_matmul, correct=correct, row_bounds=row_bounds, interpret=False
+            )
+            hlo = compile_for(device, fn, operands).as_text()
+            ks, inside = kernels(hlo), branch_kernels(hlo)
+            out[name + suffix] = {
+                "kernels": len(ks),
+                "per_kind": dict(collections.Counter(k["kind"] for k in ks)),
+                "bytes": sum(k["reads"] + k["writes"] for k in ks),
+                "branch_copies": branch_copies(hlo, inside),
+                "branch_kernels": inside["kernels"],
+            }
     return out
 
 
@@ -527,8 +534,9 @@ def main() -> int:
             gemms[shape] = mosaic_gemm_inventory(device, m, k, n)
             for name, inv in gemms[shape].items():
                 print(
-                    f"checked GEMM {shape}, {name}: {inv['kernels']} kernels on a clean call, "
-                    f"copies in conditionals {inv['branch_copies']}; {inv['per_kind']}",
+                    f"checked GEMM {shape}, {name}: {inv['kernels']} kernels on a clean call "
+                    f"moving {inv['bytes'] / 1e6:.1f} MB, copies in conditionals "
+                    f"{inv['branch_copies']}; {inv['per_kind']}",
                     flush=True,
                 )
         if args.out:

@@ -66,7 +66,12 @@ def test_forced_tiny_run_times_each_part_of_the_checked_gemm(tmp_path):
     assert not [r for r in report["rows"] if "error" in r]
     rows = {r["variant"]: r for r in report["rows"]}
     stages = [f"checked: {s}" for s in bench.STAGES]
-    separate = ["checked, separate checksum GEMM", "detect_only, separate checksum GEMM"]
+    separate = [
+        "checked, separate checksum GEMM",
+        "detect_only, separate checksum GEMM",
+        "checked, row bounds in the kernel",
+        "detect_only, row bounds in the kernel",
+    ]
     timed = ["cublas", "unchecked", "checked", "detect_only", *separate, *stages]
     assert list(rows) == [*timed, "checked: sum of parts"]
     assert rows["cublas"]["ratio"] == 1.0
@@ -84,6 +89,19 @@ def test_forced_tiny_run_times_each_part_of_the_checked_gemm(tmp_path):
     assert list(traced) == timed
     assert all(t["device_ms_per_call"] > 0 for t in traced.values())
     assert any("_launch" in op["op_name"] for op in traced["checked: kernel"]["top"])
+
+
+def test_variants_choose_what_a_case_times():
+    """``--variants``: a case times only those beside cuBLAS (the parts of the checked GEMM
+    are not even prepared when none is asked for); a name that is no variant is refused
+    before anything runs, GPU or not."""
+    bench = _bench()
+    wanted = {"detect_only", "checked, row bounds in the kernel"}
+    case = bench.gemm_case("t", 128, 128, 64, size="tiny", variants=wanted)
+    assert list(case.variants) == ["cublas", "detect_only", "checked, row bounds in the kernel"]
+    done = _run("--variants", "detect_only", "checked, bogus", timeout=120)
+    assert done.returncode == 2
+    assert "--variants ['checked, bogus']: not variants" in done.stderr
 
 
 def test_timing_harness_on_tiny_cases():

@@ -172,6 +172,7 @@ def checked_matmul(
     max_rerun_tiles: int = 64,
     block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
     checksum_gemm: str = "fused",
+    row_bounds: str = "separate",
     interpret: bool | None = None,
     emulate: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -195,6 +196,9 @@ def checked_matmul(
       checksum_gemm: where the tiles' expected row sums are computed: ``"fused"`` (a narrow
         WGMMA in the kernel's main loop) or ``"separate"`` (an XLA GEMM before the kernel;
         :class:`~sdcguard.protection.pallas.matmul_mgpu.KernelSettings`).
+      row_bounds: where each row's ``‖a‖₁`` and ``max|a|`` (its threshold's bound) are
+        computed: ``"separate"`` (an XLA pass over ``A`` before the kernel) or ``"fused"``
+        (from the ``A`` panels in the kernel's shared memory; ``KernelSettings``).
       interpret: Mosaic GPU interpret mode (default: when the backend is not a GPU). Raises
         ``RuntimeError`` when XLA:CPU's thread pool is too small for the interpreter to finish
         (fewer than four threads; set ``PJRT_NPROC``).
@@ -229,12 +233,12 @@ def checked_matmul(
             near_inf=near_inf,
             checksum_gemm=checksum_gemm,
             safety=safety,
+            row_bounds=row_bounds,
         )
         c, counts = _kernel_path(
             a,
             b,
             settings,
-            safety=safety,
             faults=faults,
             max_recomputed=max_recomputed,
             max_rerun_tiles=max_rerun_tiles,
@@ -303,29 +307,30 @@ def pass_over_a(
     magnitudes,
     *,
     b_shape,
-    check: bool,
-    safety,
-    block_sizes: BlockSizes,
+    settings: matmul_mgpu.KernelSettings,
     injected=None,
     bc=None,
 ):
-    """Before the kernel, over ``A``: its padding and, with ``check``, the per-row thresholds.
+    """Before the kernel, over ``A``: its padding and, with ``settings.check``, the parameters:
+    with row bounds ``"separate"`` the per-row thresholds (one read of ``A``), with
+    ``"fused"`` only what the tiles need (``A`` is not read unless it pads).
 
     Args:
       a: ``[batch, M, K]``; b_shape: ``B``'s ``[batch, K, N]`` (for the padded ``K``).
       scales, magnitudes: from :func:`pass_over_b`.
-      check, safety, block_sizes: as for :func:`checked_matmul`.
+      settings: the launch's settings (its ``num_faults`` those of ``injected``).
       injected: the faults' ``(hit, batch, row, col, value)`` (:func:`_injected_values`).
       bc: the checksum operand in the interpret layout, for a kernel with
         ``checksum_gemm="separate"``: the tiles' expected row sums ``A·Bc`` are computed here
         and join the parameters (:func:`matmul_mgpu.expected_row_sums`).
 
     Returns:
-      ``(a_padded, params)`` (``params`` None without ``check``).
+      ``(a_padded, params)`` (``params`` None without ``settings.check``).
     """
+    block_sizes = settings.block_sizes
     a_shape, _ = padded_shapes(a.shape, b_shape, block_sizes)
     a_p = _pad_to(a, a_shape)
-    if not check:
+    if not settings.check:
         return a_p, None
     params = matmul_mgpu.tile_parameters(
         a_p,
@@ -333,9 +338,10 @@ def pass_over_a(
         magnitudes,
         contraction=a.shape[2],
         tile_n=block_sizes.tile_n,
-        safety=safety,
+        safety=settings.safety,
         faults=injected,
         expected=None if bc is None else matmul_mgpu.expected_row_sums(a_p, bc),
+        settings=settings,
     )
     return a_p, params
 
@@ -439,9 +445,7 @@ def locate_if_flagged(
     return lax.cond(anything, rerun, clean, c)
 
 
-def _kernel_path(
-    a, b, settings, *, safety, faults, max_recomputed, max_rerun_tiles, interpret, emulate
-):
+def _kernel_path(a, b, settings, *, faults, max_recomputed, max_rerun_tiles, interpret, emulate):
     """bf16/fp16 operands: the passes before the kernel, the kernel (or its reference), the
     pass after it."""
     bs, check, out_dtype = settings.block_sizes, settings.check, settings.out_dtype
@@ -453,19 +457,11 @@ def _kernel_path(
     injected = None
     if check and faults is not None:
         injected = _injected_values(a, b, faults, out_dtype)
-    a_p, params = pass_over_a(
-        a,
-        scales,
-        magnitudes,
-        b_shape=b.shape,
-        check=check,
-        safety=safety,
-        block_sizes=bs,
-        injected=injected,
-        bc=None if fused else bc,
-    )
-    if injected is not None:
         settings = dataclasses.replace(settings, num_faults=injected[0].shape[0])
+    a_p, params = pass_over_a(
+        a, scales, magnitudes, b_shape=b.shape, settings=settings, injected=injected,
+        bc=None if fused else bc,
+    )  # fmt: skip
     if not check:
         if emulate:
             c = jnp.einsum("bmk,bkn->bmn", a_p, b_p, preferred_element_type=out_dtype)

@@ -21,7 +21,10 @@ is rounded to the output dtype:
 * **Epilogue, per output tile**, on the accumulator in registers: the row sums and the
   index-weighted row sums of ``acc``, compared with the expected sums against thresholds from
   the tolerance model of :mod:`sdcguard.protection._tolerance` for a float32 result
-  (:func:`tile_parameters`, computed by XLA per row and tile), plus what rounding the tile to
+  (:func:`tile_parameters`, computed by XLA per row and tile from one pass over ``A``; or,
+  with ``KernelSettings(row_bounds="fused")``, in the epilogue from each row's ``‖a‖₁`` and
+  ``max|a|``, which the consumer warpgroups accumulate from the ``A`` panels in shared memory
+  while their WGMMAs run: :func:`row_thresholds`), plus what rounding the tile to
   a narrower output dtype moves the row by (``u_out·Σ|acc|``, as the XLA path's check allows
   a bf16 or fp16 ``C``: :attr:`KernelSettings.output_rounding`). A detection-only kernel stops
   there. A flagged row with one non-finite or near-INF element is located directly; otherwise
@@ -66,7 +69,8 @@ from sdcguard.protection._checksums import power_of_two_below, reduce_together
 from sdcguard.protection._tolerance import (
     narrower_than_float32,
     rounding_of,
-    scaled_line_threshold,
+    roundoff_gamma,
+    underflow_slack,
     unit_roundoff,
 )
 from sdcguard.protection.pallas._tiles import finite, split3
@@ -75,12 +79,20 @@ from sdcguard.protection.pallas._tiles import finite, split3
 CHECK_COLUMNS = 8
 _E_PARTS, _W_PARTS = (0, 3), (3, 6)
 
-# Rows of the per-tile parameter block (float32 [batch, N / tile_n, rows, M]).
-SCALE_E, SCALE_W, THRESHOLD_E, THRESHOLD_W = range(4)
-FIRST_FAULT_ROW = 4  # then (column or -1, value) per fault
+# Rows of the parameter block (float32 ``[batch, N / tile_n, rows, M]``, or ``[..., tile_m]``
+# when nothing in it is per row: :attr:`KernelSettings.params_per_row`): the two scales, then
+# the thresholds (row bounds "separate") or what turns the row bounds into them ("fused",
+# :data:`COEFFICIENTS`), then ``(column or -1, value)`` per fault, then the expected sums
+# (checksum GEMM "separate").
+SCALE_E, SCALE_W = 0, 1
+THRESHOLD_E, THRESHOLD_W = 2, 3
+# Per sum (plain, weighted): the rows of :func:`threshold_coefficients`.
+COEFFICIENTS = ((2, 3, 4, 5), (6, 7, 8, 9))
 
 # Where a tile's expected row sums ``A·Bc`` are computed (:class:`KernelSettings`).
 CHECKSUM_GEMMS = ("fused", "separate")
+# Where the rows' bounds ``‖a‖₁`` and ``max|a|`` are computed (:class:`KernelSettings`).
+ROW_BOUNDS = ("separate", "fused")
 
 # Row status written by the kernel.
 CLEAN, LOCATED, UNCORRECTABLE, NONFINITE_INPUT = 0.0, 1.0, 2.0, 3.0
@@ -143,7 +155,7 @@ class KernelSettings:
       correct: rebuild what the epilogue locates (else only report it).
       near_inf: magnitude located directly in a flagged row (``ABFTConfig``'s default).
       num_faults: faults the host resolved per tile, written into the accumulator before
-        the check (``FIRST_FAULT_ROW`` onwards of the parameter block).
+        the check (:attr:`first_fault_row` onwards of the parameter block).
       checksum_gemm: ``"fused"``: each K step of the main loop issues the narrow WGMMA
         ``A_panel · Bc_panel`` into a second accumulator; ``"separate"``: XLA computes
         ``A·Bc`` before the kernel (:func:`expected_row_sums`), and the kernel reads each
@@ -151,6 +163,13 @@ class KernelSettings:
         main loop is the plain GEMM's.
       safety: ``ABFTConfig.safety``, for :attr:`output_rounding` (the thresholds of
         :func:`tile_parameters` take it too).
+      row_bounds: ``"separate"``: XLA reads ``A`` once before the kernel for each row's
+        ``‖a‖₁`` and ``max|a|`` and computes the rows' thresholds (:func:`tile_parameters`);
+        ``"fused"``: each consumer warpgroup sums ``|a|`` and takes its maximum from the ``A``
+        panel already in shared memory, per K step, while its WGMMAs run, and computes the
+        thresholds in the epilogue (:func:`row_thresholds`). Nothing before the kernel reads
+        ``A`` then, and without faults or separate checksum GEMMs the parameters are per
+        tile, not per row (:attr:`params_per_row`).
 
     Example:
       >>> KernelSettings(out_dtype=jnp.bfloat16, block_sizes=BlockSizes())
@@ -164,12 +183,15 @@ class KernelSettings:
     num_faults: int = 0
     checksum_gemm: str = "fused"
     safety: float = 1.0
+    row_bounds: str = "separate"
 
     def __post_init__(self):
         if self.checksum_gemm not in CHECKSUM_GEMMS:
             raise ValueError(
                 f"checksum_gemm={self.checksum_gemm!r}: expected one of {CHECKSUM_GEMMS}"
             )
+        if self.row_bounds not in ROW_BOUNDS:
+            raise ValueError(f"row_bounds={self.row_bounds!r}: expected one of {ROW_BOUNDS}")
         set_ = functools.partial(object.__setattr__, self)
         set_("out_dtype", jnp.dtype(self.out_dtype))
         set_("check", bool(self.check))
@@ -178,6 +200,7 @@ class KernelSettings:
         set_("num_faults", int(self.num_faults) if self.check else 0)
         set_("checksum_gemm", self.checksum_gemm if self.check else "fused")
         set_("safety", float(self.safety) if self.check else 1.0)
+        set_("row_bounds", self.row_bounds if self.check else "separate")
 
     @property
     def output_rounding(self) -> float:
@@ -200,9 +223,26 @@ class KernelSettings:
         return self.check and self.checksum_gemm == "fused"
 
     @property
+    def fused_row_bounds(self) -> bool:
+        """Whether the kernel bounds the rows itself (a checked kernel with ``"fused"``)."""
+        return self.check and self.row_bounds == "fused"
+
+    @property
+    def params_per_row(self) -> bool:
+        """Whether the parameter block holds a value per row of ``A`` (``[..., M]``): the
+        thresholds, faults or expected sums. Otherwise it is ``[..., tile_m]``, each tile's
+        values repeated along a warpgroup's rows, and read by every tile of its columns."""
+        return not self.fused_row_bounds or self.num_faults > 0 or not self.fused_checksums
+
+    @property
+    def first_fault_row(self) -> int:
+        """The parameter block's row of the first fault's column (its value follows)."""
+        return 2 + (len(COEFFICIENTS) * len(COEFFICIENTS[0]) if self.fused_row_bounds else 2)
+
+    @property
     def expected_rows(self) -> int:
         """The parameter block's row of the expected plain sums (the weighted ones follow)."""
-        return FIRST_FAULT_ROW + 2 * self.num_faults
+        return self.first_fault_row + 2 * self.num_faults
 
 
 # --- Host side: what the kernel reads besides A and B ----------------------------------------
@@ -300,6 +340,57 @@ def expected_row_sums(a: jax.Array, bc: jax.Array) -> jax.Array:
     return jnp.transpose(jnp.stack([plain, weighted], axis=-1), (0, 2, 3, 1))
 
 
+def threshold_coefficients(
+    scales: jax.Array, magnitudes: jax.Array, *, dtype, contraction: int, tile_n: int, safety
+) -> jax.Array:
+    """What turns a row's ``‖a‖₁`` and ``max|a|`` into its thresholds, per tile and sum.
+
+    A row's bound is ``min(‖a‖₁·max_k |B|e, max|a|·Σ_k |B|e)`` (both bound ``|a|·|B|e``),
+    scaled; its threshold is the round-off model of
+    :func:`sdcguard.protection._tolerance.scaled_line_threshold` for a float32 result (the
+    check runs before rounding) over ``K + 2`` terms (the three parts of the checksum are
+    summed once more), plus the representation error of the split checksum:
+    ``γ·bound + line·underflow·scale + safety·(u³·bound + 3·tiny·‖a‖₁)``. Folded per tile:
+    ``min(‖a‖₁·c₀, max|a|·c₁) + ‖a‖₁·c₂ + c₃`` (:func:`row_thresholds`).
+
+    Args:
+      scales, magnitudes: from :func:`checksum_columns`.
+      dtype: the operands' dtype; contraction: the real K; tile_n: the column group width
+        (the line of a row check); safety: ``ABFTConfig.safety``.
+
+    Returns:
+      float32 ``[batch, tiles, 2, 4]``: per sum (plain, weighted), ``(c₀, c₁, c₂, c₃)``.
+    """
+    gamma = roundoff_gamma(
+        out_dtype=jnp.float32, contraction=contraction + 2, line=tile_n, safety=safety
+    )
+    relative, absolute = representation_error(dtype)
+    on_bound = gamma + safety * relative
+    underflow = tile_n * underflow_slack(jnp.float32, contraction + 2)
+    sides = []
+    for side, line_weight in ((0, 1.0), (1, float(tile_n))):
+        biggest, total = magnitudes[:, :, side, 0], magnitudes[:, :, side, 1]
+        alone = jnp.full_like(biggest, safety * 3 * absolute)
+        constant = underflow * scales[:, :, side] * line_weight
+        sides.append(jnp.stack([on_bound * biggest, on_bound * total, alone, constant], axis=-1))
+    return jnp.stack(sides, axis=2)
+
+
+def row_thresholds(row_l1, row_max, coefficients):
+    """A row's threshold from its ``‖a‖₁`` and ``max|a|`` and its tile's
+    :func:`threshold_coefficients` ``(c₀, c₁, c₂, c₃)`` of one sum, on arrays of any shape that
+    broadcast together: in XLA before the kernel, or in the epilogue on a warpgroup's rows."""
+    on_l1, on_max, alone, constant = coefficients
+    return jnp.minimum(row_l1 * on_l1, row_max * on_max) + row_l1 * alone + constant
+
+
+def row_bounds(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(‖a‖₁, max|a|)`` of every row of ``a`` ``[..., K]``, float32 (what the fused kernel
+    accumulates over its K panels)."""
+    a_abs = jnp.abs(a.astype(jnp.float32))
+    return jnp.sum(a_abs, axis=-1), jnp.max(a_abs, axis=-1)
+
+
 def tile_parameters(
     a: jax.Array,
     scales: jax.Array,
@@ -310,15 +401,16 @@ def tile_parameters(
     safety: float,
     faults=None,
     expected=None,
+    settings: KernelSettings | None = None,
 ) -> jax.Array:
-    """The per-row, per-tile float32 block the epilogue reads: ``[batch, tiles, rows, M]``.
+    """The float32 parameter block the epilogue reads: ``[batch, tiles, rows, M]``, or
+    ``[batch, tiles, rows, tile_m]`` when ``settings`` needs nothing per row
+    (:attr:`KernelSettings.params_per_row`).
 
-    Rows: the two scales, the two thresholds, then ``(column or -1, value)`` per fault, then
-    (with ``expected``) the two expected sums.
-    A row's bound is ``min(‖a‖₁·max_k |B|e, max|a|·Σ_k |B|e)`` (both bound ``|a|·|B|e``),
-    scaled; the threshold is :func:`sdcguard.protection._tolerance.scaled_line_threshold` of a
-    float32 result (the check runs before rounding) over ``K + 2`` terms (the three parts of
-    the checksum are summed once more) plus the representation error of the split checksum.
+    Rows: the two scales; then the two thresholds (row bounds ``"separate"``: ``A`` is read
+    here for each row's ``‖a‖₁`` and ``max|a|``) or the eight
+    :func:`threshold_coefficients` (``"fused"``: ``A`` is not read); then ``(column or -1,
+    value)`` per fault; then (with ``expected``) the two expected sums.
 
     Args:
       a: ``[batch, M, K]``.
@@ -330,35 +422,24 @@ def tile_parameters(
         kernel's ``[batch, M, N]`` coordinates.
       expected: optional ``[batch, tiles, 2, M]`` (:func:`expected_row_sums`), for a kernel
         with ``checksum_gemm="separate"``.
+      settings: the launch's settings (None: row bounds ``"separate"``).
     """
     batch, m, _ = a.shape
     tiles = scales.shape[1]
-    a_abs = jnp.abs(a.astype(jnp.float32))
-    row_l1 = jnp.sum(a_abs, axis=2)  # [batch, M]
-    row_max = jnp.max(a_abs, axis=2)
-    relative, absolute = representation_error(a.dtype)
-    rows = []
-    for side, line_weight in ((0, 1.0), (1, float(tile_n))):
-        biggest = magnitudes[:, :, side, 0][:, :, None]  # [batch, tiles, 1]
-        total = magnitudes[:, :, side, 1][:, :, None]
-        bound = jnp.minimum(row_l1[:, None, :] * biggest, row_max[:, None, :] * total)
-        scale = scales[:, :, side][:, :, None]
-        threshold = scaled_line_threshold(
-            bound,
-            scale * line_weight,
-            out_dtype=jnp.float32,
-            contraction=contraction + 2,
-            line=tile_n,
-            input_unit=0.0,
-            safety=safety,
-        )
-        threshold = threshold + safety * (relative * bound + 3 * absolute * row_l1[:, None, :])
-        rows.append(threshold)
-    par = [
-        jnp.broadcast_to(scales[:, :, 0][:, :, None], (batch, tiles, m)),
-        jnp.broadcast_to(scales[:, :, 1][:, :, None], (batch, tiles, m)),
-        *rows,
-    ]
+    fused_bounds = settings is not None and settings.fused_row_bounds
+    width = m if settings is None or settings.params_per_row else settings.block_sizes.tile_m
+    coefficients = threshold_coefficients(
+        scales, magnitudes, dtype=a.dtype, contraction=contraction, tile_n=tile_n, safety=safety
+    )  # [batch, tiles, 2, 4]
+    along_rows = lambda x: jnp.broadcast_to(x[:, :, None], (batch, tiles, width))
+    par = [along_rows(scales[:, :, 0]), along_rows(scales[:, :, 1])]
+    if fused_bounds:
+        par += [along_rows(coefficients[:, :, side, i]) for side in (0, 1) for i in range(4)]
+    else:
+        row_l1, row_max = row_bounds(a)  # [batch, M]
+        for side in (0, 1):
+            per_tile = [coefficients[:, :, side, i][:, :, None] for i in range(4)]
+            par.append(row_thresholds(row_l1[:, None, :], row_max[:, None, :], per_tile))
     if faults is not None:
         hit, fb, fm, fn, value = faults
         for f in range(hit.shape[0]):
@@ -392,6 +473,7 @@ def _kernel(
 ):
     """One persistent CTA: loops over output tiles; see the module docstring."""
     bs, check, fused = settings.block_sizes, settings.check, settings.fused_checksums
+    bounded = settings.fused_row_bounds
     batch, m, k = a_gmem.shape
     n = b_gmem.shape[2]
     dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
@@ -502,11 +584,18 @@ def _kernel(
 
                 @functools.partial(pl.run_scoped, **scratch)
                 def _acc_scope(acc_ref, chk_ref=None):
-                    eval_pipeline((acc_ref, chk_ref) if fused else acc_ref)
+                    refs = (acc_ref, chk_ref) if fused else acc_ref
+                    if bounded:  # each row's Σ|a| and max|a|, over the K panels
+                        zeros = layout(jnp.zeros((tm,), f32), row_layout)
+                        _, bounds = eval_pipeline((refs, (zeros, zeros)))
+                    else:
+                        eval_pipeline(refs)
+                        bounds = None
                     acc = acc_ref[...]
                     if check:
+                        par_rows = global_rows if settings.params_per_row else pl.ds(0, tm)
                         plgpu.copy_gmem_to_smem(
-                            par_gmem.at[bi, ni, :, global_rows],
+                            par_gmem.at[bi, ni, :, par_rows],
                             par_smem.at[wg],
                             par_barrier.at[wg],
                         )
@@ -517,6 +606,7 @@ def _kernel(
                             lambda r: layout(par_smem[wg, r], row_layout),
                             settings=settings,
                             iota=iota,
+                            bounds=bounds,
                         )
                     out = acc.astype(out_dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -541,17 +631,29 @@ def _kernel(
                         )
 
             def mma_body(_, a_smem, b_smem, *rest):
+                carry = rest[-1]
+                refs, bounds = carry if bounded else (carry, None)
                 if fused:
-                    bc_smem, (acc_ref, chk_ref) = rest
+                    (bc_smem,) = rest[:-1]
+                    acc_ref, chk_ref = refs
                 else:
-                    (acc_ref,) = rest
+                    acc_ref = refs
                 plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem)
                 if fused:
                     # The tile's expected row sums: A·Bc, 8 columns, from the same A panel.
                     bc_operand = bc_smem if interpret else bc_smem.transpose((1, 0))
                     plgpu.wgmma(chk_ref, a_smem.at[wg_rows], bc_operand)
+                if bounded:
+                    # While the WGMMAs run: this panel's part of each row's Σ|a| and max|a|.
+                    panel = layout(a_smem.at[wg_rows][...], plgpu.Layout.WGMMA)
+                    magnitude = jnp.abs(panel.astype(f32))
+                    row_l1, row_max = bounds
+                    bounds = (
+                        row_l1 + jnp.sum(magnitude, axis=1),
+                        jnp.maximum(row_max, jnp.max(magnitude, axis=1)),
+                    )
                 plgpu.wgmma_wait(0)
-                return rest[-1]
+                return (refs, bounds) if bounded else refs
 
             inputs = [a_gmem.at[bi, cta_rows, :], b_gmem.at[bi, :, cols]]
             if fused:
@@ -561,11 +663,12 @@ def _kernel(
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _check_tile(acc, chk, param, *, settings: KernelSettings, iota):
+def _check_tile(acc, chk, param, *, settings: KernelSettings, iota, bounds=None):
     """The epilogue's check of one ``[tm, tn]`` float32 tile (see the module docstring).
 
     Row vectors are float32 (Mosaic GPU has no boolean vectors in a reduced layout), so every
-    per-row decision is a ``where`` chain on float32 values.
+    per-row decision is a ``where`` chain on float32 values. ``bounds``: the rows' ``‖a‖₁``
+    and ``max|a|`` (row bounds ``"fused"``), from which the thresholds are computed here.
 
     Returns:
       ``(acc, status, column)``: the tile with the located element of each correctable row
@@ -577,10 +680,16 @@ def _check_tile(acc, chk, param, *, settings: KernelSettings, iota):
     wide = lambda v: lax.broadcast_in_dim(v, (tm, tn), [0])
     col = iota((tm, tn), 1).astype(f32)  # 0-based column within the tile
     for f in range(settings.num_faults):  # as a faulty MMA would have left the accumulator
-        at = col == wide(param(FIRST_FAULT_ROW + 2 * f))
-        acc = jnp.where(at, wide(param(FIRST_FAULT_ROW + 2 * f + 1)), acc)
+        at = col == wide(param(settings.first_fault_row + 2 * f))
+        acc = jnp.where(at, wide(param(settings.first_fault_row + 2 * f + 1)), acc)
     scale_e, scale_w = param(SCALE_E), param(SCALE_W)
-    threshold_e, threshold_w = param(THRESHOLD_E), param(THRESHOLD_W)
+    if settings.fused_row_bounds:
+        row_l1, row_max = bounds
+        threshold_e, threshold_w = (
+            row_thresholds(row_l1, row_max, [param(r) for r in rows]) for rows in COEFFICIENTS
+        )
+    else:
+        threshold_e, threshold_w = param(THRESHOLD_E), param(THRESHOLD_W)
     weight_e = wide(scale_e)
     weight_w = wide(scale_w) * (col + 1.0)
     # Scaled before summing: a line of large finite values can overflow its unscaled sum.
@@ -796,19 +905,30 @@ def reference_kernel(
     # Tiles as a leading axis: [batch, tiles_m, tiles_n, tm, ...].
     acc_t = acc.reshape(batch, tiles_m, tm, tiles_n, tn).transpose(0, 1, 3, 2, 4)
     rows = params.shape[2]
-    par_t = params.reshape(batch, tiles_n, rows, tiles_m, tm).transpose(0, 3, 1, 2, 4)
+    if settings.params_per_row:
+        par_t = params.reshape(batch, tiles_n, rows, tiles_m, tm).transpose(0, 3, 1, 2, 4)
+    else:  # one [rows, tm] block per column tile, read by every tile of its columns
+        par_t = jnp.broadcast_to(params[:, None], (batch, tiles_m, tiles_n, rows, tm))
+    # Each row's ‖a‖₁ and max|a| ([batch, tiles_m, tiles_n, tm]), as the fused kernel sums them.
+    bounds = [
+        jnp.broadcast_to(x.reshape(batch, tiles_m, 1, tm), (batch, tiles_m, tiles_n, tm))
+        for x in row_bounds(a)
+    ]
     iota = lambda shape, axis: lax.broadcasted_iota(jnp.int32, shape, axis)
-    check = functools.partial(_check_tile, settings=settings, iota=iota)
     each_tile = lambda f: jax.vmap(jax.vmap(jax.vmap(f)))
+
+    def check(acc, chk, par, row_l1, row_max):
+        return _check_tile(
+            acc, chk, lambda r: par[r], settings=settings, iota=iota, bounds=(row_l1, row_max)
+        )
+
     if settings.fused_checksums:
         chk = jnp.einsum("bmk,bkc->bmc", a, bc, preferred_element_type=jnp.float32, precision=hi)
         chk_t = chk.reshape(batch, tiles_m, tm, tiles_n, CHECK_COLUMNS).transpose(0, 1, 3, 2, 4)
-        fixed, state, column = each_tile(lambda acc, chk, par: check(acc, chk, lambda r: par[r]))(
-            acc_t, chk_t, par_t
-        )
+        fixed, state, column = each_tile(check)(acc_t, chk_t, par_t, *bounds)
     else:
-        fixed, state, column = each_tile(lambda acc, par: check(acc, None, lambda r: par[r]))(
-            acc_t, par_t
+        fixed, state, column = each_tile(lambda acc, *rest: check(acc, None, *rest))(
+            acc_t, par_t, *bounds
         )
     c = fixed.transpose(0, 1, 3, 2, 4).reshape(batch, m, n).astype(settings.out_dtype)
     # [batch, tiles_m, tiles_n, tm] -> [batch, tiles_n, 2, M]

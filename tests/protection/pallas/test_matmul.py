@@ -67,13 +67,17 @@ def _assert_close(actual, expected, dtype):
 
 
 CHECKSUM_GEMMS = list(matmul_mgpu.CHECKSUM_GEMMS)
+# (checksum_gemm, row_bounds): where the expected row sums and the rows' bounds are computed.
+KERNEL_VARIANTS = [("fused", "separate"), ("separate", "separate"), ("fused", "fused")]
+VARIANT_IDS = ["fused-checksums", "separate-checksums", "bounds-in-kernel"]
 
 
-@functools.partial(jax.jit, static_argnames="checksum_gemm")
-def _emulated(a, b, plan, checksum_gemm="fused"):
+@functools.partial(jax.jit, static_argnames=("checksum_gemm", "row_bounds"))
+def _emulated(a, b, plan, checksum_gemm="fused", row_bounds="separate"):
     return matmul.checked_matmul(
-        a, b, plan=plan, site=SITE, block_sizes=SMALL, emulate=True, checksum_gemm=checksum_gemm
-    )
+        a, b, plan=plan, site=SITE, block_sizes=SMALL, emulate=True, checksum_gemm=checksum_gemm,
+        row_bounds=row_bounds,
+    )  # fmt: skip
 
 
 def _plan(*faults):
@@ -89,6 +93,8 @@ def test_block_sizes_are_validated():
         BlockSizes(max_concurrent_steps=1)
     with pytest.raises(ValueError, match="checksum_gemm='inline'"):
         matmul_mgpu.KernelSettings(out_dtype=jnp.bfloat16, checksum_gemm="inline")
+    with pytest.raises(ValueError, match="row_bounds='inline'"):
+        matmul_mgpu.KernelSettings(out_dtype=jnp.bfloat16, row_bounds="inline")
     with pytest.raises(ValueError, match=r"\[B, M, K\]"):
         matmul.checked_matmul(jnp.ones((2, 3, 4)), jnp.ones((2, 5, 4)))
 
@@ -140,9 +146,9 @@ def test_split_checksum_survives_xlas_excess_precision(dtype):
     assert np.all(err <= 2**-23 * np.abs(np.asarray(x)) + 3 * absolute + 1e-30)
 
 
-@pytest.mark.parametrize("checksum_gemm", CHECKSUM_GEMMS)
+@pytest.mark.parametrize("checksum_gemm,row_bounds", KERNEL_VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_clean_runs_never_alarm_across_magnitudes(dtype, checksum_gemm):
+def test_clean_runs_never_alarm_across_magnitudes(dtype, checksum_gemm, row_bounds):
     """Operands from tiny to huge (as far as the dtype's range keeps C finite): no alarm, and
     C is the XLA product rounded once."""
     if dtype == jnp.bfloat16:
@@ -151,7 +157,7 @@ def test_clean_runs_never_alarm_across_magnitudes(dtype, checksum_gemm):
         scales = [(1e-2, 1e-1), (1.0, 1.0), (10.0, 20.0), (1e-1, 30.0)]
     for i, (sa, sb) in enumerate(scales):
         a, b = _operands(dtype, scale_a=sa, scale_b=sb, seed=i)
-        c, counts = _emulated(a, b, None, checksum_gemm)
+        c, counts = _emulated(a, b, None, checksum_gemm, row_bounds)
         assert counts.tolist() == [0, 0, 0, 0], (sa, sb)
         _assert_close(c, _clean(a, b, dtype), dtype)
 
@@ -216,9 +222,9 @@ def _exponent_msb(dtype) -> int:
     return {jnp.bfloat16: 14, jnp.float16: 14}[dtype]
 
 
-@pytest.mark.parametrize("checksum_gemm", CHECKSUM_GEMMS)
+@pytest.mark.parametrize("checksum_gemm,row_bounds", KERNEL_VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_faults_in_several_tiles_are_corrected_exactly(dtype, checksum_gemm):
+def test_faults_in_several_tiles_are_corrected_exactly(dtype, checksum_gemm, row_bounds):
     a, b = _operands(dtype)
     n = SHAPE[3]
     faults = []
@@ -227,7 +233,7 @@ def test_faults_in_several_tiles_are_corrected_exactly(dtype, checksum_gemm):
         bit = _exponent_msb(dtype) if bit is None else bit
         faults.append(Fault(site=SITE, kind=kind, index=flat, bit=bit))
     clean = _clean(a, b, dtype)
-    c, counts = _emulated(a, b, _plan(*faults), checksum_gemm)
+    c, counts = _emulated(a, b, _plan(*faults), checksum_gemm, row_bounds)
     # One fault per tile: each tile detected and corrected.
     assert counts.tolist() == [len(FAULTS), len(FAULTS), 0, 0]
     # Corrected elements are recomputed, not rebuilt from checksums: equal to the clean C.
@@ -254,8 +260,8 @@ def test_two_errors_in_one_row_are_uncorrectable():
     assert not np.isfinite(np.asarray(c[0, 5, 2], np.float32))  # left for the step decision
 
 
-@pytest.mark.parametrize("checksum_gemm", CHECKSUM_GEMMS)
-def test_detect_only_counts_and_leaves_c(checksum_gemm):
+@pytest.mark.parametrize("checksum_gemm,row_bounds", KERNEL_VARIANTS, ids=VARIANT_IDS)
+def test_detect_only_counts_and_leaves_c(checksum_gemm, row_bounds):
     dtype = jnp.bfloat16
     a, b = _operands(dtype)
     plan = _plan(Fault(site=SITE, kind="inf", index=17))
@@ -268,6 +274,7 @@ def test_detect_only_counts_and_leaves_c(checksum_gemm):
         block_sizes=SMALL,
         emulate=True,
         checksum_gemm=checksum_gemm,
+        row_bounds=row_bounds,
     )
     assert counts.tolist() == [1, 0, 1, 0]
     assert np.isinf(np.asarray(c, np.float32).reshape(-1)[17])
@@ -284,15 +291,114 @@ def test_located_beyond_capacity_counts_uncorrectable():
     assert counts.tolist() == [2, 1, 1, 0]
 
 
-@pytest.mark.parametrize("checksum_gemm", CHECKSUM_GEMMS)
-def test_nonfinite_inputs_are_their_own_outcome(checksum_gemm):
+@pytest.mark.parametrize("checksum_gemm,row_bounds", KERNEL_VARIANTS, ids=VARIANT_IDS)
+def test_nonfinite_inputs_are_their_own_outcome(checksum_gemm, row_bounds):
     dtype = jnp.bfloat16
     a, b = _operands(dtype)
     a = a.at[0, 10, 3].set(jnp.inf)
-    c, counts = _emulated(a, b, None, checksum_gemm)
+    c, counts = _emulated(a, b, None, checksum_gemm, row_bounds)
     # Row 10 of matrix 0 is non-finite in all three column tiles: three tiles, inputs to blame.
     assert counts.tolist() == [3, 0, 0, 3]
     assert not np.all(np.isfinite(np.asarray(c[0, 10], np.float32)))
+
+
+def _parameters(a, b, row_bounds, plan=None):
+    """``(params, settings)`` of a correcting call on bf16 ``a``, ``b`` (no padding needed)."""
+    faults = matmul.matrix_faults(plan, SITE, (a.shape[0], a.shape[1], b.shape[2]))
+    injected = None if faults is None else matmul._injected_values(a, b, faults, jnp.bfloat16)
+    settings = matmul_mgpu.KernelSettings(
+        out_dtype=jnp.bfloat16, block_sizes=SMALL, row_bounds=row_bounds,
+        num_faults=0 if injected is None else injected[0].shape[0],
+    )  # fmt: skip
+    _, _, scales, magnitudes = matmul.pass_over_b(
+        b, a_shape=a.shape, check=True, block_sizes=SMALL, transposed=False
+    )
+    _, params = matmul.pass_over_a(
+        a, scales, magnitudes, b_shape=b.shape, settings=settings, injected=injected
+    )
+    return params, settings
+
+
+def _params_only(a, **kwargs):
+    return matmul.pass_over_a(a, **kwargs)[1]
+
+
+def test_bounds_in_the_kernel_leave_nothing_to_read_of_a_before_it():
+    """With ``row_bounds="fused"`` the pass before the kernel does not read ``A`` (the rows'
+    bounds come from the ``A`` panels in the kernel's shared memory), and its parameters are
+    per tile (``[batch, tiles, rows, tile_m]``), not per row of ``A``, unless faults are
+    injected. The thresholds the epilogue computes from the rows' bounds are those the pass
+    over ``A`` computes with ``"separate"``."""
+    a, b = _operands(jnp.bfloat16, shape=(2, 128, 128, 192))  # nothing to pad
+    _, _, scales, magnitudes = matmul.pass_over_b(
+        b, a_shape=a.shape, check=True, block_sizes=SMALL, transposed=False
+    )
+    for row_bounds, reads_a in (("separate", True), ("fused", False)):
+        settings = matmul_mgpu.KernelSettings(
+            out_dtype=jnp.bfloat16, block_sizes=SMALL, row_bounds=row_bounds
+        )
+        params_only = functools.partial(
+            _params_only, scales=scales, magnitudes=magnitudes, b_shape=b.shape, settings=settings
+        )
+        jaxpr = jax.make_jaxpr(params_only)(a).jaxpr
+        used = [v for eqn in jaxpr.eqns for v in eqn.invars] + list(jaxpr.outvars)
+        assert any(v is jaxpr.invars[0] for v in used) == reads_a, row_bounds
+
+    separate, _ = _parameters(a, b, "separate")
+    fused, settings = _parameters(a, b, "fused")
+    batch, m, tiles = a.shape[0], a.shape[1], b.shape[2] // SMALL.tile_n
+    assert not settings.params_per_row
+    assert separate.shape == (batch, tiles, 4, m)
+    assert fused.shape == (batch, tiles, 10, SMALL.tile_m)
+    row_l1, row_max = matmul_mgpu.row_bounds(a)  # [batch, M]
+    for threshold_row, rows in zip(
+        (matmul_mgpu.THRESHOLD_E, matmul_mgpu.THRESHOLD_W), matmul_mgpu.COEFFICIENTS, strict=True
+    ):
+        # Each tile's coefficients, the same for every row of the tile: [batch, tiles, 1].
+        coefficients = [fused[:, :, r, :1] for r in rows]
+        assert all(bool(jnp.all(fused[:, :, r] == fused[:, :, r, :1])) for r in rows)
+        in_kernel = matmul_mgpu.row_thresholds(
+            row_l1[:, None, :], row_max[:, None, :], coefficients
+        )
+        np.testing.assert_array_equal(
+            np.asarray(in_kernel), np.asarray(separate[:, :, threshold_row])
+        )
+
+    with_faults, settings = _parameters(a, b, "fused", _plan(Fault(site=SITE, kind="inf", index=5)))
+    assert settings.params_per_row and with_faults.shape == (batch, tiles, 12, m)
+
+
+def _threshold(a, b, batch, row, col) -> float:
+    """The threshold (unscaled) of the row check of ``a @ b``'s element at ``(batch, row, col)``
+    for a float32 ``C``: how far the row's plain sum may stray on clean data."""
+    _, _, scales, magnitudes = matmul.pass_over_b(
+        b, a_shape=a.shape, check=True, block_sizes=SMALL, transposed=False
+    )
+    settings = matmul_mgpu.KernelSettings(out_dtype=jnp.float32, block_sizes=SMALL)
+    _, params = matmul.pass_over_a(a, scales, magnitudes, b_shape=b.shape, settings=settings)
+    tile = col // SMALL.tile_n
+    at = params[batch, tile, :, row]
+    return float(at[matmul_mgpu.THRESHOLD_E] / at[matmul_mgpu.SCALE_E])
+
+
+@pytest.mark.parametrize("row_bounds", matmul_mgpu.ROW_BOUNDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_float32_outputs_threshold_is_its_rows_bound(dtype, row_bounds):
+    """A float32 ``C`` keeps the accumulator's bits, so its rows' thresholds are the round-off
+    bound alone (no output rounding beside it), from the rows' bounds: clean, no alarm; an
+    element off by three times its row's threshold, detected and corrected."""
+    a, b = _operands(dtype)
+    exact = jnp.einsum("bmk,bkn->bmn", a, b, preferred_element_type=jnp.float32)
+    index = (SHAPE[1] + 70) * SHAPE[3] + 100  # matrix 1, row 70, column 100
+    value = float(exact.reshape(-1)[index]) + 3 * _threshold(a, b, 1, 70, 100)
+    near = _plan(Fault(site=SITE, kind="value", index=index, value=value))
+    for plan, want in ((None, [0, 0, 0, 0]), (near, [1, 1, 0, 0])):
+        c, counts = matmul.checked_matmul(
+            a, b, plan=plan, site=SITE, block_sizes=SMALL, emulate=True, row_bounds=row_bounds,
+            out_dtype=jnp.float32,
+        )  # fmt: skip
+        assert counts.tolist() == want
+        _assert_close(c, exact, jnp.float32)
 
 
 def test_float32_takes_the_xla_path():
@@ -332,13 +438,12 @@ def _prepared(a, b, plan):
     b_p, bc, scales, magnitudes = matmul.pass_over_b(
         b, a_shape=a.shape, check=True, block_sizes=SMALL, transposed=False
     )
-    a_p, params = matmul.pass_over_a(
-        a, scales, magnitudes, b_shape=b.shape, check=True, safety=1.0, block_sizes=SMALL,
-        injected=injected,
-    )  # fmt: skip
     num_faults = 0 if injected is None else injected[0].shape[0]
     settings = matmul_mgpu.KernelSettings(
         out_dtype=jnp.bfloat16, block_sizes=SMALL, num_faults=num_faults
+    )
+    a_p, params = matmul.pass_over_a(
+        a, scales, magnitudes, b_shape=b.shape, settings=settings, injected=injected
     )
     return a_p, b_p, bc, params, settings
 
@@ -480,7 +585,9 @@ def test_recompute_and_count_is_branch_free():
 # --- The kernel itself -------------------------------------------------------------------------
 
 
-def _lower_for_h100(check: bool, plan, correct: bool = True, checksum_gemm: str = "fused"):
+def _lower_for_h100(
+    check: bool, plan, correct: bool = True, checksum_gemm: str = "fused", row_bounds="separate"
+):
     from jax.sharding import AbstractDevice, AbstractMesh
 
     device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
@@ -496,6 +603,7 @@ def _lower_for_h100(check: bool, plan, correct: bool = True, checksum_gemm: str 
             plan=plan,
             site=SITE,
             checksum_gemm=checksum_gemm,
+            row_bounds=row_bounds,
             interpret=False,
         )
 
@@ -505,21 +613,27 @@ def _lower_for_h100(check: bool, plan, correct: bool = True, checksum_gemm: str 
 
 @pytest.mark.lowering
 @pytest.mark.parametrize(
-    "check,correct,checksum_gemm",
+    "check,correct,checksum_gemm,row_bounds,with_plan",
     [
-        (True, True, "fused"), (True, False, "fused"),
-        (True, True, "separate"), (True, False, "separate"),
-        (False, False, "fused"),
+        (True, True, "fused", "separate", True), (True, False, "fused", "separate", True),
+        (True, True, "separate", "separate", True), (True, False, "separate", "separate", True),
+        (True, True, "fused", "fused", True), (True, False, "fused", "fused", False),
+        (False, False, "fused", "separate", True),
     ],
-    ids=["checked", "detect-only", "checked-separate", "detect-only-separate", "unchecked"],
+    ids=[
+        "checked", "detect-only", "checked-separate", "detect-only-separate",
+        "checked-bounds-in-kernel", "detect-only-bounds-in-kernel-per-tile", "unchecked",
+    ],
 )  # fmt: skip
-def test_kernel_lowers_for_sm90a(check, correct, checksum_gemm):
+def test_kernel_lowers_for_sm90a(check, correct, checksum_gemm, row_bounds, with_plan):
     """Pallas -> Mosaic GPU dialect -> layout inference for sm_90 -> lowered MLIR that
     verifies, within Hopper's shared memory: the WGMMAs (the narrow one included, when fused),
-    TMA pipeline and epilogue (with the location, or without it for detection only) are all
-    accepted. PTX and SASS are produced on the GPU only."""
-    plan = _plan(Fault(site=SITE, kind="inf", index=5))
-    text = _lower_for_h100(check, plan, correct, checksum_gemm)
+    TMA pipeline and epilogue (with the location, or without it for detection only), and the
+    rows' bounds from the ``A`` panels (parameters per row with a plan, per tile without) are
+    all accepted. PTX and SASS are produced on a GPU, or by a deviceless compile
+    (``scripts/gpu_compile_offline.py --mosaic-gemm``)."""
+    plan = _plan(Fault(site=SITE, kind="inf", index=5)) if with_plan else None
+    text = _lower_for_h100(check, plan, correct, checksum_gemm, row_bounds)
     calls = [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
     # A correcting GEMM: the detection-only kernel, and the correcting one in a conditional.
     assert len(calls) == (2 if correct else 1)
@@ -588,16 +702,27 @@ _INTERPRET_SCRIPT = textwrap.dedent(
         b = jnp.asarray(operands[name + "/b"]).astype(name)
         run = lambda **kw: matmul.checked_matmul(
             a, b, site=spec["site"], block_sizes=block_sizes, interpret=True, **kw)
-        for gemm in spec["checksum_gemms"]:
-            c, counts = run(plan=plan, checksum_gemm=gemm)
-            results[name + "/" + gemm + "/c"] = np.asarray(c, np.float32)
-            results[name + "/" + gemm + "/counts"] = np.asarray(counts)
+        for gemm, bounds in spec["variants"]:
+            c, counts = run(plan=plan, checksum_gemm=gemm, row_bounds=bounds)
+            results[name + "/" + gemm + "/" + bounds + "/c"] = np.asarray(c, np.float32)
+            results[name + "/" + gemm + "/" + bounds + "/counts"] = np.asarray(counts)
+        # The bounds in the kernel with a float32 C (no output rounding to hide them behind):
+        # clean (the parameters per tile, not per row), then one element off by a few of its
+        # row's thresholds.
+        f32 = spec["float32_fault"][name]
+        near = FaultPlan.from_faults([Fault(site=spec["site"], kind="value", **f32)], capacity=1)
+        for label, p in (("clean32", None), ("near32", near)):
+            c, counts = run(plan=p, row_bounds="fused", out_dtype=np.float32)
+            results[name + "/" + label + "/c"] = np.asarray(c, np.float32)
+            results[name + "/" + label + "/counts"] = np.asarray(counts)
         plain, _ = run(check=False)
         results[name + "/unchecked"] = np.asarray(plain, np.float32)
     np.savez(sys.argv[3], **results)
     print("interpret ok")
     """
 )
+
+
 # (kind, batch, row, col): a fault at a tile corner (the top-right one of the tile at rows
 # 64-127, columns 64-127 of matrix 0) and one on a tile edge (the bottom edge of the padded
 # last column tile of matrix 1); one per matrix, so the XLA path corrects both too.
@@ -609,24 +734,34 @@ INTERPRET_LIMIT_S = 420  # a correcting GEMM with faults interprets two kernels
 def test_kernel_in_gpu_interpret_mode_matches_the_xla_path_and_the_emulation(tmp_path):
     """The kernel itself, interpreted on the CPU (Mosaic GPU interpret mode; its persistent loop
     over 2 programs with 3 tiles each, two K panels, padding), checked (with the checksum GEMM
-    fused and separate) and unchecked, for both dtypes: counters equal the emulation's and
-    the XLA path's, values equal the emulation's and ``jnp.dot``'s, and the corrupted elements
-    are corrected to the clean ones."""
+    fused and separate, the rows' bounds from a pass over ``A`` and from the kernel's ``A``
+    panels) and unchecked, for both dtypes: counters equal the emulation's and the XLA path's,
+    values equal the emulation's and ``jnp.dot``'s, and the corrupted elements are corrected
+    to the clean ones. With the bounds in the kernel and a float32 ``C``, whose threshold they
+    decide, a clean call (its parameters per tile) counts nothing and an element off by three
+    times its row's threshold is corrected."""
     n = SHAPE[3]
     faults = [
         Fault(site=SITE, kind=kind, index=(bi * SHAPE[1] + row) * n + col, bit=14)
         for kind, bi, row, col in INTERPRET_FAULTS
     ]
     names = [jnp.dtype(d).name for d in DTYPES]
-    operands = {}
+    operands, float32_fault = {}, {}
+    near_index = (SHAPE[1] + 70) * n + 100  # matrix 1, row 70, column 100
     for dtype, name in zip(DTYPES, names, strict=True):
         a, b = _operands(dtype)
         operands[name + "/a"] = np.asarray(a, np.float32)  # exact: bf16/fp16 fit in float32
         operands[name + "/b"] = np.asarray(b, np.float32)
+        exact = jnp.einsum("bmk,bkn->bmn", a, b, preferred_element_type=jnp.float32)
+        float32_fault[name] = {
+            "index": near_index,
+            "value": float(exact.reshape(-1)[near_index]) + 3 * _threshold(a, b, 1, 70, 100),
+        }
     np.savez(tmp_path / "operands.npz", **operands)
     spec = {
         "dtypes": names,
-        "checksum_gemms": CHECKSUM_GEMMS,
+        "variants": KERNEL_VARIANTS,
+        "float32_fault": float32_fault,
         "site": SITE,
         "block_sizes": {"tile_m": SMALL.tile_m, "tile_n": SMALL.tile_n, "max_concurrent_steps": 2},
         "faults": [
@@ -649,12 +784,14 @@ def test_kernel_in_gpu_interpret_mode_matches_the_xla_path_and_the_emulation(tmp
     assert "interpret ok" in done.stdout
     kernel = np.load(tmp_path / "kernel.npz")
     plan = _plan(*faults)
-    for (dtype, name), gemm in itertools.product(zip(DTYPES, names, strict=True), CHECKSUM_GEMMS):
+    variants = itertools.product(zip(DTYPES, names, strict=True), KERNEL_VARIANTS)
+    for (dtype, name), (gemm, bounds) in variants:
         a, b = _operands(dtype)
         clean = _clean(a, b, dtype)
-        emulated, emulated_counts = _emulated(a, b, plan, gemm)
+        emulated, emulated_counts = _emulated(a, b, plan, gemm, bounds)
         _, xla_counts = matmul.checked_matmul_reference(a, b, plan=plan, site=SITE)
-        got, counts = kernel[f"{name}/{gemm}/c"], kernel[f"{name}/{gemm}/counts"].tolist()
+        got = kernel[f"{name}/{gemm}/{bounds}/c"]
+        counts = kernel[f"{name}/{gemm}/{bounds}/counts"].tolist()
         assert counts == emulated_counts.tolist() == xla_counts.tolist() == [2, 2, 0, 0], name
         _assert_close(got, emulated, dtype)
         _assert_close(got, clean, dtype)
@@ -663,9 +800,16 @@ def test_kernel_in_gpu_interpret_mode_matches_the_xla_path_and_the_emulation(tmp
                 got[bi, row, col],
                 float(clean[bi, row, col]),
                 rtol=2 ** -jnp.finfo(dtype).nmant,
-                err_msg=f"{name}, {gemm}: element {(bi, row, col)} not corrected",
+                err_msg=f"{name}, {gemm}, {bounds}: element {(bi, row, col)} not corrected",
             )
         _assert_close(kernel[name + "/unchecked"], clean, dtype)
+    for dtype, name in zip(DTYPES, names, strict=True):
+        a, b = _operands(dtype)
+        exact = jnp.einsum("bmk,bkn->bmn", a, b, preferred_element_type=jnp.float32)
+        assert kernel[name + "/clean32/counts"].tolist() == [0, 0, 0, 0], name
+        assert kernel[name + "/near32/counts"].tolist() == [1, 1, 0, 0], name
+        for label in ("clean32", "near32"):
+            _assert_close(kernel[f"{name}/{label}/c"], exact, jnp.float32)
 
 
 def test_interpret_mode_refuses_a_pool_that_would_deadlock(monkeypatch):
