@@ -24,8 +24,9 @@
 # SECTIONS picks and orders the sections (default "step kernels attention pallas_step");
 # STEP_S, KERNELS_S, ATTENTION_S, PALLAS_S, ALARMS_S and STEP_ALARMS_S their time limits;
 # KERNEL_SHAPES ("|" between shapes) the kernels section's shapes (default: issue 36's four and
-# the attention scores); PALLAS_VARIANTS ("|" between
-# names) the pallas step's checked variants (default "in place, pallas").
+# the attention scores); KERNEL_VARIANTS ("|" between names) what the kernels section times
+# beside cuBLAS (default: every variant, bench_gpu_kernels.GEMM_VARIANTS); PALLAS_VARIANTS ("|"
+# between names) the pallas step's checked variants (default "in place, pallas").
 set -u
 cd "$(dirname "$0")"
 out="${OUT:-../runs/gpu_session}"
@@ -68,6 +69,11 @@ kernels() {
       "lm attention scores")
     [[ -n "${KERNEL_SHAPES:-}" ]] && IFS='|' read -ra shapes <<<"$KERNEL_SHAPES"
     args+=(--shapes "${shapes[@]}")
+  fi
+  if [[ -n "${KERNEL_VARIANTS:-}" ]]; then
+    local variants
+    IFS='|' read -ra variants <<<"$KERNEL_VARIANTS"
+    args+=(--variants "${variants[@]}")
   fi
   section kernels "${KERNELS_S:-150}" "$python" bench_gpu_kernels.py "${args[@]}" \
     --out "$out/kernels.json"
