@@ -16,6 +16,9 @@ It measures, side by side in one process (interleaved rounds, medians of per-rou
 - that clean steps raise no alarm, and that an INF injected at an MLP forward GEMM and at an
   MLP backward GEMM of the bf16 step is corrected.
 
+``--loop NAME...`` also times those variants as a training loop does, the state donated and fed
+back (``"<name>, as a training loop"``; read them against ``"plain, as a training loop"``).
+
 ``--trace DIR`` also profiles two steps of each variant (``jax.profiler``) and prints where the
 device time goes: the kernels and the host's launch calls per step, and the costliest HLO
 instructions with the JAX operations they came from (``scripts/trace_summary.py``).
@@ -163,6 +166,42 @@ def compiled(fn, args, options=None):
     return (lambda: c(*args)), seconds, c.as_text()
 
 
+class TrainingLoop:
+    """A step run as a training loop runs it: parameters and optimizer state donated and fed
+    back, so each call writes into the last call's buffers.
+
+    :func:`compiled` calls a step on the same arguments every time, and each call's outputs
+    (the whole new state) are new buffers; a user's loop donates its state. On a GPU the step
+    runs as CUDA graphs recorded for buffers' addresses, so whether they stay put from step to
+    step may change what a step costs on the host; timing both shows whether it does.
+
+    Args:
+      fn: ``step(params, opt_state, tokens)`` or :func:`sdcguard.checked` of it.
+      args: ``(params, opt_state, tokens)``; the loop works on its own copy of the state.
+      options: XLA compiler options, as for :func:`compiled`.
+
+    Example:
+      >>> loop = TrainingLoop(step, args); out = loop(); out = loop()  # two steps
+    """
+
+    def __init__(self, fn, args, options=None):
+        params, opt_state, self.tokens = args
+        self.state = jax.tree.map(jnp.copy, (params, opt_state))
+        start = time.perf_counter()
+        self.executable = (
+            jax.jit(fn, donate_argnums=(0, 1))
+            .lower(*self.state, self.tokens)
+            .compile(compiler_options=options)
+        )
+        self.compile_s = time.perf_counter() - start
+
+    def __call__(self):
+        out = self.executable(*self.state, self.tokens)
+        step_out = out[0] if isinstance(out[0], tuple) else out  # checked: (outputs, report)
+        self.state = step_out[:2]
+        return out
+
+
 def bench_lm(
     size: str,
     dtype,
@@ -175,13 +214,16 @@ def bench_lm(
     hlo_dir: Path | None = None,
     trace_top: int = 12,
     measured=None,
+    loop=(),
 ) -> dict:
     """The step's variants timed; ``into`` is filled as each part is measured, and
     ``measured()`` (when given) is called after each part, to write it out: a run cut short,
     even by a kill during a compilation, keeps what it measured. ``hlo_dir``: each variant's
     optimized HLO is written there, gzipped (``<dtype>_<variant>.hlo.txt.gz``, each
     non-alphanumeric character an underscore): the kernels XLA fused, to read without a GPU.
-    ``trace_top``: how many instructions and checks each profile keeps, costliest first."""
+    ``trace_top``: how many instructions and checks each profile keeps, costliest first.
+    ``loop``: variants also timed as a :class:`TrainingLoop` (``"<name>, as a training
+    loop"``), interleaved with the others: compare them with ``"plain, as a training loop"``."""
     result = {} if into is None else into
     measured = measured or (lambda: None)
     step, args = lm_step(size, dtype)
@@ -199,6 +241,14 @@ def bench_lm(
         print(f"{jnp.dtype(dtype).name} {name}: compiled in {compile_s[name]:.1f} s", flush=True)
         if hlo_dir is not None:
             _write_hlo(hlo_dir, f"{jnp.dtype(dtype).name} {name}", hlo[name])
+        measured()
+    for name in (n for n in loop if n in names):
+        config = VARIANTS[name]
+        fn = step if config is None else sdcguard.checked(step, config)
+        looped = TrainingLoop(fn, args, COMPILE_OPTIONS.get(name))
+        fns[f"{name}, as a training loop"] = looped
+        compile_s[f"{name}, as a training loop"] = looped.compile_s
+        print(f"{jnp.dtype(dtype).name} {name}, as a training loop: compiled", flush=True)
         measured()
     alarms, alarm_sites, losses = {}, {}, {}
     for name in names:
@@ -370,6 +420,15 @@ def main() -> int:
     )
     parser.add_argument("--no-gemms", action="store_true", help="skip the single GEMMs")
     parser.add_argument(
+        "--loop",
+        nargs="*",
+        choices=list(VARIANTS),
+        default=[],
+        metavar="NAME",
+        help="variants also timed as a training loop, their state donated and fed back "
+        "(one more compilation each; name plain too, the loop's baseline)",
+    )
+    parser.add_argument(
         "--inject",
         nargs="*",
         default=["in place"],
@@ -432,6 +491,7 @@ def main() -> int:
                 args.inject,
                 hlo_dir=args.hlo,
                 trace_top=args.trace_top,
+                loop=args.loop,
             ),
         )
         for d in args.dtypes

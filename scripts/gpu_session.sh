@@ -24,7 +24,8 @@
 # SECTIONS picks and orders the sections (default "step kernels attention pallas_step");
 # STEP_S, KERNELS_S, ATTENTION_S, PALLAS_S, ALARMS_S and STEP_ALARMS_S their time limits;
 # KERNEL_SHAPES ("|" between shapes) the kernels section's shapes (default: issue 36's four and
-# the attention scores); KERNEL_VARIANTS ("|" between names) what the kernels section times
+# the attention scores); STEP_LOOP ("|" between names) step variants also timed as a training
+# loop, their state donated and fed back (bench_gpu.py --loop; default none); KERNEL_VARIANTS ("|" between names) what the kernels section times
 # beside cuBLAS (default: every variant, bench_gpu_kernels.GEMM_VARIANTS); PALLAS_VARIANTS ("|"
 # between names) the pallas step's checked variants (default "in place, pallas").
 set -u
@@ -55,8 +56,11 @@ section() {  # section NAME SECONDS COMMAND...
 } >"$out/device.txt" 2>&1
 cat "$out/device.txt"
 step() {
+  local loop=()
+  [[ -n "${STEP_LOOP:-}" ]] && IFS='|' read -ra loop <<<"$STEP_LOOP"
   section step "${STEP_S:-300}" "$python" bench_gpu.py "${force[@]}" --dtypes bfloat16 \
     --rounds 5 --no-gemms --variants plain "detect only" "in place" recompute \
+    --loop "${loop[@]}" \
     --trace "${TRACE_DIR:-/tmp/sdcguard_trace}" --attribute plain "detect only" "in place" \
     --inject "in place" recompute --out "$out/step.json"
 }

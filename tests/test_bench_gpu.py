@@ -34,15 +34,16 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
 
 
 def test_forced_it_runs_end_to_end_at_the_tiny_size(tmp_path):
-    """``--force --size tiny`` (the GPU run's code on the CPU): the step timed, no alarm on a
-    clean step, the injected INFs corrected to the clean loss. The full run is ``slow``."""
+    """``--force --size tiny`` (the GPU run's code on the CPU): the step timed, also as a
+    training loop (``--loop``), no alarm on a clean step, the injected INFs corrected to the
+    clean loss. The full run is ``slow``."""
     out = tmp_path / "bench.json"
     variants = ["plain", "in place"]
     run = subprocess.run(
         [
             *(sys.executable, str(SCRIPTS / "bench_gpu.py"), "--force", "--size", "tiny"),
             *("--rounds", "1", "--dtypes", "bfloat16", "--no-gemms", "--variants", *variants),
-            *("--inject", "in place", "--out", str(out)),
+            *("--inject", "in place", "--loop", "plain", "in place", "--out", str(out)),
         ],
         capture_output=True,
         text=True,
@@ -54,8 +55,9 @@ def test_forced_it_runs_end_to_end_at_the_tiny_size(tmp_path):
     assert result["failed"] == []
     (lm,) = result["lm"]
     assert lm["checked_sites"] == lm["sites"] > 0
-    assert set(lm["overheads"]) == set(variants)
-    assert set(lm["compile_s"]) == set(variants)
+    looped = [f"{v}, as a training loop" for v in variants]
+    assert set(lm["overheads"]) == {*variants, *looped}
+    assert set(lm["compile_s"]) == {*variants, *looped}
     for counts in lm["clean_alarms"].values():
         assert counts == [0, 0, 0, 0]
     assert lm["clean_alarm_sites"] == {"in place": {}}  # no site counted anything
@@ -78,6 +80,27 @@ def test_each_part_of_the_step_is_handed_out_as_it_is_measured():
     assert len(seen) == 2
     assert set(seen[0]["compile_s"]) == {"plain"} and "overheads" not in seen[0]
     assert set(seen[1]["overheads"]) == {"plain"}
+
+
+@pytest.mark.parametrize("checked", [False, True], ids=["plain", "checked"])
+def test_a_training_loop_feeds_its_donated_state_back(checked):
+    """``TrainingLoop``: each call donates the state it was given (its buffers are reused) and
+    keeps the step's new state for the next call, so the loss moves step by step; the
+    arguments it was built from are left intact for the other variants."""
+    bench_gpu = _load("bench_gpu")
+    step, args = bench_gpu.lm_step("tiny", jnp.float32)
+    fn = sdcguard.checked(step) if checked else step
+    loop = bench_gpu.TrainingLoop(fn, args)
+    first = jax.tree.leaves(loop.state)[0]
+    losses = []
+    for _ in range(3):
+        out = loop()
+        losses.append(float((out[0] if checked else out)[2]))
+    assert first.is_deleted()  # donated to the first call
+    assert not any(x.is_deleted() for x in jax.tree.leaves(args))
+    assert losses[0] > losses[1] > losses[2]  # the state was fed back: training goes on
+    if checked:
+        assert sdcguard.total(out[1]).tolist() == [0, 0, 0, 0]
 
 
 @pytest.mark.slow
