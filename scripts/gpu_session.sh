@@ -19,10 +19,13 @@
 #   5. alarms: the Mosaic checked GEMM on clean data, over K and the pipeline's depth, then on
 #      the LM's attention contractions (scripts/gpu_clean_alarms.py; not in the default list);
 #   6. step_alarms: the same kernel on the step's own attention scores, block by block, against
-#      its emulation on cuBLAS's product (scripts/gpu_step_alarms.py; not in the default list).
+#      its emulation on cuBLAS's product (scripts/gpu_step_alarms.py; not in the default list);
+#   7. flash_probe: the Mosaic flash kernel, piece by piece, each in a process of its own, to
+#      find what fails on a GPU (scripts/gpu_flash_probe.py; not in the default list).
 #
 # SECTIONS picks and orders the sections (default "step kernels attention pallas_step");
-# STEP_S, KERNELS_S, ATTENTION_S, PALLAS_S, ALARMS_S and STEP_ALARMS_S their time limits;
+# STEP_S, KERNELS_S, ATTENTION_S, PALLAS_S, ALARMS_S, STEP_ALARMS_S and FLASH_PROBE_S their
+# time limits;
 # KERNEL_SHAPES ("|" between shapes) the kernels section's shapes (default: issue 36's four and
 # the attention scores); STEP_LOOP ("|" between names) step variants also timed as a training
 # loop, their state donated and fed back (bench_gpu.py --loop; default none); KERNEL_VARIANTS ("|" between names) what the kernels section times
@@ -100,11 +103,15 @@ alarms() {
 step_alarms() {
   section step_alarms "${STEP_ALARMS_S:-90}" "$python" gpu_step_alarms.py "${force[@]:0:1}"
 }
+flash_probe() {
+  section flash_probe "${FLASH_PROBE_S:-180}" "$python" gpu_flash_probe.py "${force[@]:0:1}" \
+    --out "$out/flash_probe.json"
+}
 for name in ${SECTIONS:-step kernels attention pallas_step}; do
   case $name in
-    step | kernels | attention | pallas_step | alarms | step_alarms) "$name" ;;
+    step | kernels | attention | pallas_step | alarms | step_alarms | flash_probe) "$name" ;;
     *) echo "unknown section $name (step, kernels, attention, pallas_step, alarms," \
-      "step_alarms)" >&2 ;;
+      "step_alarms, flash_probe)" >&2 ;;
   esac
 done
 ls -la "$out"

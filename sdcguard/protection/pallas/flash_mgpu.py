@@ -303,7 +303,7 @@ class _RowCheck:
     weighted_threshold: jax.Array  # [m]
 
 
-def _check_rows(c, chk: _RowCheck, scale, *, config: ABFTConfig):
+def _check_rows(c, chk: _RowCheck, scale, *, config: ABFTConfig, branch: bool):
     """Checks the rows of a tile and repairs a single wrong element per row where it can.
 
     Args:
@@ -311,6 +311,11 @@ def _check_rows(c, chk: _RowCheck, scale, *, config: ABFTConfig):
       chk: its expected row sums and thresholds.
       scale: float32 scalar power of two the expected sums carry.
       config: correct, near_inf.
+      branch: skip the repair behind a ``lax.cond`` when no row flagged. Its predicate sums
+        the rows' flags across the warpgroup's four warps, through Mosaic GPU's reduction
+        scratch, a fixed slot per warp of a warpgroup (jax 0.10-0.12): a kernel whose compute
+        warpgroups run it at the same time (the forward's two) would race on those slots,
+        so the forward repairs branch-free (a clean row comes back unchanged).
 
     Returns:
       ``(c, detected, uncorrected)``: the tile and float32 ``[m]`` per-row flags (detected 0/1;
@@ -321,7 +326,6 @@ def _check_rows(c, chk: _RowCheck, scale, *, config: ABFTConfig):
     # `not <=` so that NaN deviations are flagged too.
     bad = ~(jnp.abs(row_sum - chk.expected) <= chk.threshold)
     bad_f = jnp.where(bad, 1.0, 0.0)
-    n_bad = jnp.sum(bad_f)
 
     def on_fault(c, bad_f):
         flagged = bad_f > 0
@@ -354,7 +358,9 @@ def _check_rows(c, chk: _RowCheck, scale, *, config: ABFTConfig):
     def on_clean(c, bad_f):
         return c, bad_f, bad_f  # all zero here (SSA values of the right layout)
 
-    return lax.cond(n_bad > 0, on_fault, on_clean, c, bad_f)
+    if not branch:
+        return on_fault(c, bad_f)
+    return lax.cond(jnp.sum(bad_f) > 0, on_fault, on_clean, c, bad_f)
 
 
 def _threshold(bound, scale, *, contraction, line, config, extra=0.0):
@@ -372,7 +378,7 @@ def _threshold(bound, scale, *, contraction, line, config, extra=0.0):
     )
 
 
-def _narrow_check(c, sums, a_max, scal_ref, tile, *, contraction, line, config):
+def _narrow_check(c, sums, a_max, scal_ref, tile, *, contraction, line, config, branch):
     """Row checks of ``c = A·Bᵀ [m, n]`` from ``sums = A·chkᵀ [m, 8]`` (see
     :func:`tile_column_sums`), ``a_max [m]`` = ``max|A|`` per row, and B's tile scalars."""
     col8 = _iota(sums.shape, 1)
@@ -395,7 +401,7 @@ def _narrow_check(c, sums, a_max, scal_ref, tile, *, contraction, line, config):
             w_bound, scale, contraction=contraction, line=line, config=config, extra=w_split
         ),
     )
-    return _check_rows(c, chk, scale, config=config)
+    return _check_rows(c, chk, scale, config=config, branch=branch)
 
 
 def _kernel_refs(refs, has_mask: bool, n_tables: int):
@@ -576,7 +582,7 @@ def forward(
                 f_s = (flags[0], flags[1])
                 if chk_s:
                     s, det, unc = _narrow_check(s, sums, q_max, kscal_s, step, contraction=d,
-                                                line=bk, config=config)  # fmt: skip
+                                                line=bk, config=config, branch=False)  # fmt: skip
                     f_s = (jnp.maximum(flags[0], det), jnp.maximum(flags[1], unc))
                 # Softmax in base 2 (m is kept scaled by log2(e), as in FA3).
                 s2 = s * (sm_scale * LOG2E)
@@ -595,7 +601,9 @@ def forward(
                 p = _inject(faults, "probs", p, c0=batch, c1=head, rows=q_rows, cols=k_cols)
                 f_p = (flags[2], flags[3])
                 if chk_p:
-                    p, l_cur, det, unc = _check_softmax(p, l_cur, s2, m_next, bk, u32, config)
+                    p, l_cur, det, unc = _check_softmax(
+                        p, l_cur, s2, m_next, bk, u32, config, branch=False
+                    )
                     f_p = (jnp.maximum(flags[2], det), jnp.maximum(flags[3], unc))
                 acc = acc * _rows(alpha, o_shape)
                 l_i = l_i * alpha + l_cur
@@ -627,7 +635,7 @@ def forward(
                         weighted_threshold=_threshold(v_chk[3], one, contraction=bk, line=d,
                                                       config=config),
                     )  # fmt: skip
-                    o_t, det, unc = _check_rows(o_t, chk, one, config=config)
+                    o_t, det, unc = _check_rows(o_t, chk, one, config=config, branch=False)
                     f_c = (jnp.maximum(flags[4], det), jnp.maximum(flags[5], unc))
                 return acc + o_t, m_next, l_i, (*f_s, *f_p, *f_c)
 
@@ -775,11 +783,12 @@ def forward(
     return out, lse, flags
 
 
-def _check_softmax(p, l_cur, s2, m_next, block_kv, u32, config: ABFTConfig):
+def _check_softmax(p, l_cur, s2, m_next, block_kv, u32, config: ABFTConfig, *, branch: bool):
     """The softmax invariant of one tile: ``Σ_k p == l_cur`` and ``0 <= p <= 1``.
 
     Returns ``(p, l_cur, detected, uncorrected)`` with float32 ``[m]`` flags; a bad row is
-    recomputed from its (checked) scores when correcting.
+    recomputed from its (checked) scores when correcting (behind a ``lax.cond`` with
+    ``branch``, as :func:`_check_rows`).
     """
     # The scores reach exp2 as fma(s, c, -m) or as a rounded s·c, as a compiler contracts
     # them: each p may differ by u·|s2| in its exponent, so the sums by u·(|m|·l + bk·0.53)
@@ -807,6 +816,8 @@ def _check_softmax(p, l_cur, s2, m_next, block_kv, u32, config: ABFTConfig):
     def keep(p, l_cur, bad_f):
         return p, l_cur, bad_f, bad_f
 
+    if not branch:
+        return refresh(p, l_cur, bad_f)
     return lax.cond(jnp.sum(bad_f) > 0, refresh, keep, p, l_cur, bad_f)
 
 
@@ -828,7 +839,7 @@ def flag_counts(flags: jax.Array):
 BACKWARD_SITES = ("scores.grad_lhs", "scores.grad_rhs", "context.grad_lhs", "context.grad_rhs")
 
 
-def _vector_check(c, x, vecs, *, nonnegative, contraction, line, config):
+def _vector_check(c, x, vecs, *, nonnegative, contraction, line, config, branch):
     """Row checks of ``c = X·B [m, n]`` with ``X [m, k]`` in registers and ``vecs`` the four
     :func:`row_sums` of ``B`` (``[k]`` each, along X's columns)."""
     shape = x.shape
@@ -846,7 +857,7 @@ def _vector_check(c, x, vecs, *, nonnegative, contraction, line, config):
             w_bound, one, contraction=contraction, line=line, config=config
         ),
     )
-    return _check_rows(c, chk, one, config=config)
+    return _check_rows(c, chk, one, config=config, branch=branch)
 
 
 def _max_flags(flags, slot, det, unc):
@@ -1016,15 +1027,16 @@ def backward(q, k, v, out, lse, do, *, causal, sm_scale, config, tables, blocks,
         tile ``step``), its flags into pair ``slot``: ``(c, flags)``."""
         m, n = c.shape
         sums = _mma(a_smem, chk_smem, (m, _KSUM_ROWS), transpose_b=True)
+        # One warpgroup per block: the repair's branch is its own.
         c, det, unc = _narrow_check(c, sums, a_max, scal_smem, step, contraction=d, line=n,
-                                    config=config)  # fmt: skip
+                                    config=config, branch=True)  # fmt: skip
         return c, _max_flags(flags, slot, det, unc)
 
     def vector_checked(flags, slot, c, x, vecs, *, nonnegative):
         """``c = X·B [m, n]`` checked by :func:`_vector_check`, its flags into pair ``slot``:
         ``(c, flags)``."""
         c, det, unc = _vector_check(c, x, vecs, nonnegative=nonnegative, contraction=x.shape[1],
-                                    line=c.shape[1], config=config)  # fmt: skip
+                                    line=c.shape[1], config=config, branch=True)  # fmt: skip
         return c, _max_flags(flags, slot, det, unc)
 
     def launch(kernel, operands, *, outs, scratch, sites, block, step, length, grid_name, name):

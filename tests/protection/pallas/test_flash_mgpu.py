@@ -287,6 +287,42 @@ def test_mosaic_kernel_lowers_for_sm90a(dtype):
         assert "triton" not in text
 
 
+def _kernel_reductions_to_a_scalar(jaxpr, in_kernel=False) -> int:
+    """How many reductions of a vector to a scalar the Mosaic GPU kernels in ``jaxpr`` hold
+    (``plgpu.kernel`` binds ``mpmd_map`` or ``pallas_call``, its body a jaxpr of a param)."""
+    found = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if in_kernel and name.startswith("reduce_") and eqn.invars[0].aval.ndim >= 1:
+            found += eqn.outvars[0].aval.ndim == 0
+        inner = in_kernel or name in ("mpmd_map", "pallas_call", "core_map")
+        for param in eqn.params.values():
+            for value in param if isinstance(param, tuple | list) else (param,):
+                sub = getattr(value, "jaxpr", value)
+                if hasattr(sub, "eqns"):
+                    found += _kernel_reductions_to_a_scalar(sub, inner)
+    return found
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_the_forward_kernel_sums_no_rows_across_warps(causal):
+    """The forward's two compute warpgroups run the same checks at the same time, and a
+    reduction of a row vector to a scalar goes through Mosaic GPU's reduction scratch, one
+    slot per warp of a warpgroup: the two would race on it (jax 0.10-0.12). The forward kernel
+    holds no such reduction (its repairs run branch-free), where it held one per check of
+    each key/value step to branch on "any row flagged"."""
+    q = jax.ShapeDtypeStruct((1, 256, 1, 128), jnp.bfloat16)
+
+    def forward(q, k, v):
+        return flash_mgpu.forward(
+            q, k, v, causal=causal, sm_scale=0.1, config=abft.ABFTConfig(), tables={},
+            blocks=flash_mgpu.MosaicBlockSizes(),
+        )  # fmt: skip
+
+    jaxpr = jax.make_jaxpr(forward)(q, q, q).jaxpr
+    assert _kernel_reductions_to_a_scalar(jaxpr) == 0
+
+
 def test_gpu_attention_bench_says_no_gpu_and_exits_0():
     if jax.default_backend() == "gpu":
         pytest.skip("on a GPU the script times the kernels (minutes)")

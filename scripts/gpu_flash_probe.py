@@ -1,0 +1,152 @@
+"""Which part of the Mosaic GPU flash attention kernel fails on a GPU, one process per probe.
+
+The kernel stopped with ``CUDA_ERROR_ILLEGAL_ADDRESS`` on an H200 with jax 0.11.2 (at 17dd4d4),
+and such an error poisons the process that hit it. So each probe runs in a child process of its
+own, from the smallest (JAX's own FlashAttention-3 kernel, which ours follows) to the whole
+checked kernel with a fault, forward and backward; the first that fails says which feature to
+look at. Each prints one JSON line: what it ran, its exit status, its counters and its largest
+difference to the reference attention.
+
+On a GPU (about 2 minutes, most of it compiling), bf16 (JAX's kernel fp16), B 1, T 256, H 1,
+head_dim 128:
+
+    python scripts/gpu_flash_probe.py --out runs/gpu_flash_probe.json
+
+Without a GPU it says so and exits 0; ``--force`` runs the probes of ``sdcguard``'s kernel in
+Mosaic GPU's interpret mode on the CPU (head_dim 64; JAX's kernel is skipped there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# name -> (causal, checked, fault, backward): each adds one thing to the probe before it.
+PROBES = {
+    "jax's kernel": (True, False, False, False),
+    "unchecked": (True, False, False, False),
+    "checked, full": (False, True, False, False),
+    "checked, causal": (True, True, False, False),
+    "checked, causal, a NaN": (True, True, True, False),
+    "checked, causal, backward": (True, True, False, True),
+}
+LIMIT_S = 240  # per probe: a hang counts as a failure
+
+
+def operands(head_dim: int, dtype=jnp.bfloat16):
+    keys = jax.random.split(jax.random.key(0), 3)
+    return [jax.random.normal(k, (1, 256, 1, head_dim), jnp.float32).astype(dtype) for k in keys]
+
+
+def run_probe(name: str, head_dim: int) -> dict:
+    """One probe, in this process: its counters and its largest difference to the reference."""
+    from sdcguard import ABFTConfig
+    from sdcguard.fault_model import Fault, FaultPlan
+    from sdcguard.protection.pallas import flash as fa
+
+    causal, checked, fault, backward = PROBES[name]
+    # JAX's kernel in fp16: jax 0.11.2's lowers only that (its output scratch is fp16).
+    q, k, v = operands(head_dim, jnp.float16 if name == "jax's kernel" else jnp.bfloat16)
+    scale = 1.0 / np.sqrt(head_dim)
+    reference = fa.attention_reference(q, k, v, causal=causal, sm_scale=scale)
+    if name == "jax's kernel":
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+        config = attention_mgpu.TuningConfig(
+            block_q=64, block_kv=64, max_concurrent_steps=2, causal=causal
+        )
+        out = jax.jit(lambda q, k, v: attention_mgpu.attention(q, k, v, config))(q, k, v)
+        diff = float(jnp.max(jnp.abs(out.astype(jnp.float32) - reference.astype(jnp.float32))))
+        return {"max_abs_diff": diff}
+    config = ABFTConfig() if checked else ABFTConfig(sites=())
+    t = q.shape[1]
+    faults = [Fault(site="attn:scores", kind="nan", index=(t + 1) * (t // 2))] if fault else []
+    plan = FaultPlan.from_faults(faults, capacity=1)
+
+    def loss(q, k, v, sink):
+        out, counts = fa.flash_attention(
+            q, k, v, causal=causal, sm_scale=scale, config=config, plan=plan, sink=sink,
+            kernel="mosaic",
+        )  # fmt: skip
+        return jnp.sum(out.astype(jnp.float32)), (out, counts)
+
+    sink = fa.zero_core_sink()
+    if backward:
+        grads, (out, counts) = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+            q, k, v, sink
+        )
+        result = {"backward_counts": np.asarray(grads[3]).reshape(-1, 4).sum(0).tolist()}
+    else:
+        _, (out, counts) = jax.jit(loss)(q, k, v, sink)
+        result = {}
+    diff = float(jnp.max(jnp.abs(out.astype(jnp.float32) - reference.astype(jnp.float32))))
+    return {**result, "counts": np.asarray(counts).tolist(), "max_abs_diff": diff}
+
+
+def probe_in_child(name: str, *, force: bool, head_dim: int) -> dict:
+    """``name`` run by a child process of this script: its JSON line, or how it failed."""
+    args = [sys.executable, __file__, "--one", name, "--head-dim", str(head_dim)]
+    env = {**os.environ}
+    if force:
+        args.append("--force")
+        env.setdefault("PJRT_NPROC", "4")  # the interpreter's warpgroups need four threads
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=LIMIT_S, env=env)
+    except subprocess.TimeoutExpired:
+        return {"probe": name, "ok": False, "error": f"no result in {LIMIT_S} s"}
+    seconds = round(time.perf_counter() - start, 1)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-6:]
+        return {"probe": name, "ok": False, "exit": done.returncode, "error": tail, "s": seconds}
+    return {"probe": name, "ok": True, "s": seconds, **json.loads(lines[-1])}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/gpu_flash_probe.json"))
+    parser.add_argument("--force", action="store_true", help="run without a GPU (interpreted)")
+    parser.add_argument("--probes", nargs="+", choices=list(PROBES), default=None)
+    parser.add_argument("--one", choices=list(PROBES), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--head-dim", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not args.force:
+        print(f"gpu_flash_probe: no GPU found (JAX backend: {jax.default_backend()}); nothing run")
+        return 0
+    head_dim = args.head_dim or (128 if on_gpu else 64)
+    if args.one is not None:  # a child: one probe, one JSON line
+        if on_gpu:
+            result = run_probe(args.one, head_dim)
+        else:
+            from sdcguard.protection import pallas
+
+            with pallas.gpu_interpret_mode():
+                result = run_probe(args.one, head_dim)
+        print(json.dumps(result))
+        return 0
+    names = args.probes or [n for n in PROBES if on_gpu or n != "jax's kernel"]
+    device = jax.devices()[0].device_kind
+    report = {"device": device, "jax": jax.__version__, "head_dim": head_dim, "probes": []}
+    print(f"gpu_flash_probe on {device}, jax {jax.__version__}", flush=True)
+    for name in names:
+        result = probe_in_child(name, force=args.force, head_dim=head_dim)
+        report["probes"].append(result)
+        print(json.dumps(result), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

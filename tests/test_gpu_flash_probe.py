@@ -1,0 +1,47 @@
+"""``scripts/gpu_flash_probe.py``: without a GPU it says so and exits 0; ``--force`` runs a probe
+of the Mosaic flash kernel in a child process, interpreted on the CPU, and reports it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_flash_probe.py"
+
+
+def _run(*args, timeout):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
+    out = tmp_path / "probe.json"
+    done = _run("--out", str(out), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "no GPU found" in done.stdout
+    assert not out.exists()
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="on a GPU --force is not needed")
+def test_forced_probe_runs_the_checked_kernel_in_a_child_and_reports_it(tmp_path):
+    """The checked forward with a NaN in the scores, interpreted: its child process reports the
+    NaN detected and corrected and the output equal to the reference attention."""
+    out = tmp_path / "probe.json"
+    done = _run("--force", "--probes", "checked, causal, a NaN", "--out", str(out), timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (probe,) = json.loads(out.read_text())["probes"]
+    assert probe["probe"] == "checked, causal, a NaN" and probe["ok"], probe
+    assert probe["counts"][0] == [1, 1, 0, 0]  # scores: the NaN detected and corrected
+    assert probe["max_abs_diff"] < 0.05  # bf16 output against the float32 reference
