@@ -295,7 +295,9 @@ def test_a_clean_correcting_mosaic_gemm_launches_what_detection_does_and_copies_
     """Compiled for an H200: a correcting checked GEMM runs its second, locating kernel and
     the pass after it behind one conditional, and a clean call copies nothing through it
     (before, the clean branch copied ``C`` and the statuses, and the pass after the kernel
-    ran on every call: 25 kernels against detection's 13 at 8192x1024x4096)."""
+    ran on every call: 25 kernels against detection's 13 at 8192x1024x4096). With the rows'
+    bounds from shared memory (``row_bounds="fused"``) it launches fewer kernels and moves
+    less: nothing reads ``A`` before the kernel."""
     out = tmp_path / "gemm.json"
     env = {**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parent.parent), str(SCRIPT.parent)])
@@ -307,6 +309,12 @@ def test_a_clean_correcting_mosaic_gemm_launches_what_detection_does_and_copies_
     assert correcting["per_kind"].get("conditional") == 1
     assert correcting["per_kind"].get("custom-call") == 1  # the detection kernel alone
     assert correcting["kernels"] <= detect["kernels"]
+    # The rows' bounds from the kernel's shared memory: no pass over A before it, and
+    # parameters per tile rather than per row of A.
+    for name in ("detect only", "correcting"):
+        fused = inv[f"{name}, row bounds in the kernel"]
+        assert fused["kernels"] < inv[name]["kernels"], name
+        assert fused["bytes"] < inv[name]["bytes"] - 1024 * 2048 * 2, name  # A: one read fewer
 
 
 @pytest.mark.skipif(
