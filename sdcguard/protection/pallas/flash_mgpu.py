@@ -701,7 +701,9 @@ def forward(
                 )
 
             for i in range(slots):
-                load(i, i)
+                # A block with fewer key/value tiles than slots (causal, or short keys) loads
+                # only those: a copy nobody waits for could still be writing at the block's exit.
+                pl.when(jnp.int32(i) < block_steps)(functools.partial(load, i, i))
 
             @pl.loop(0, block_steps - slots)
             def _(step):
