@@ -104,7 +104,7 @@ step_alarms() {
   section step_alarms "${STEP_ALARMS_S:-90}" "$python" gpu_step_alarms.py "${force[@]:0:1}"
 }
 flash_probe() {
-  section flash_probe "${FLASH_PROBE_S:-180}" "$python" gpu_flash_probe.py "${force[@]:0:1}" \
+  section flash_probe "${FLASH_PROBE_S:-120}" "$python" gpu_flash_probe.py "${force[@]:0:1}" \
     --out "$out/flash_probe.json"
 }
 for name in ${SECTIONS:-step kernels attention pallas_step}; do
