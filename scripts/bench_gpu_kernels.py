@@ -412,7 +412,9 @@ def sum_of_parts(rows: list[dict], case: str) -> dict | None:
 
 
 def fault_corrected(size: str = "lm", dtype=jnp.bfloat16) -> dict:
-    """An INF injected into the checked GEMM's accumulator (8192x1024x4096; tiny), corrected."""
+    """An INF injected into the checked GEMM's accumulator (8192x1024x4096; tiny), corrected,
+    with the rows' bounds from a pass over ``A`` and (under ``"row bounds in the kernel"``) from
+    the kernel's shared memory; ``ok`` when both are."""
     from sdcguard.fault_model import Fault, FaultPlan
     from sdcguard.protection.pallas import matmul
 
@@ -423,20 +425,33 @@ def fault_corrected(size: str = "lm", dtype=jnp.bfloat16) -> dict:
     b = jax.random.normal(kb, (k, n), jnp.float32).astype(dtype)
     index = (m // 2 + 3) * n + 777 % n
     plan = FaultPlan.from_faults([Fault(site="bench/gemm:out", kind="inf", index=index)])
-    run = jax.jit(
-        lambda a, b, p: matmul.checked_matmul(a, b, plan=p, site="bench/gemm:out", block_sizes=bs)
-    )
-    c, counts = _block(run(a, b, plan))
     clean = jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dtype)
-    got, want = float(c.reshape(-1)[index]), float(clean.reshape(-1)[index])
-    worst = float(jnp.max(jnp.abs(c.astype(jnp.float32) - clean.astype(jnp.float32))))
+    want = float(clean.reshape(-1)[index])
+
+    def corrected(row_bounds: str) -> dict:
+        run = jax.jit(
+            lambda a, b, p: matmul.checked_matmul(
+                a, b, plan=p, site="bench/gemm:out", block_sizes=bs, row_bounds=row_bounds
+            )
+        )
+        c, counts = _block(run(a, b, plan))
+        got = float(c.reshape(-1)[index])
+        worst = float(jnp.max(jnp.abs(c.astype(jnp.float32) - clean.astype(jnp.float32))))
+        counts = np.asarray(counts).tolist()
+        return {
+            "counts": counts,
+            "corrected_value": got,
+            "clean_value": want,
+            "max_abs_difference_to_cublas": worst,
+            "ok": counts == [1, 1, 0, 0] and abs(got - want) <= 2**-6 * abs(want),
+        }
+
+    separate, fused = corrected("separate"), corrected("fused")
     return {
         "shape": [m, n, k],
-        "counts": np.asarray(counts).tolist(),
-        "corrected_value": got,
-        "clean_value": want,
-        "max_abs_difference_to_cublas": worst,
-        "ok": np.asarray(counts).tolist() == [1, 1, 0, 0] and abs(got - want) <= 2**-6 * abs(want),
+        **separate,
+        "row bounds in the kernel": fused,
+        "ok": separate["ok"] and fused["ok"],
     }
 
 

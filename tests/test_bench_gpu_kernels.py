@@ -63,6 +63,7 @@ def test_forced_tiny_run_times_each_part_of_the_checked_gemm(tmp_path):
     report = json.loads(out.read_text())
     assert report["size"] == "tiny" and report["device"] == "cpu"
     assert report["fault"]["ok"] and report["fault"]["counts"] == [1, 1, 0, 0]
+    assert report["fault"]["row bounds in the kernel"]["counts"] == [1, 1, 0, 0]
     assert not [r for r in report["rows"] if "error" in r]
     rows = {r["variant"]: r for r in report["rows"]}
     stages = [f"checked: {s}" for s in bench.STAGES]
