@@ -12,6 +12,9 @@ head_dim 128:
 
     python scripts/gpu_flash_probe.py --out runs/gpu_flash_probe.json
 
+``--sanitize`` runs the first probe that fails again under ``compute-sanitizer --tool memcheck``
+(where it is installed), which names the faulting access.
+
 Without a GPU it says so and exits 0; ``--force`` runs the probes of ``sdcguard``'s kernel in
 Mosaic GPU's interpret mode on the CPU (head_dim 64; JAX's kernel is skipped there).
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -93,9 +97,10 @@ def run_probe(name: str, head_dim: int) -> dict:
     return {**result, "counts": np.asarray(counts).tolist(), "max_abs_diff": diff}
 
 
-def probe_in_child(name: str, *, force: bool, head_dim: int) -> dict:
-    """``name`` run by a child process of this script: its JSON line, or how it failed."""
-    args = [sys.executable, __file__, "--one", name, "--head-dim", str(head_dim)]
+def probe_in_child(name: str, *, force: bool, head_dim: int, wrapper=()) -> dict:
+    """``name`` run by a child process of this script: its JSON line, or how it failed.
+    ``wrapper``: a command the child runs under (``compute-sanitizer ...``)."""
+    args = [*wrapper, sys.executable, __file__, "--one", name, "--head-dim", str(head_dim)]
     env = {**os.environ}
     if force:
         args.append("--force")
@@ -108,9 +113,19 @@ def probe_in_child(name: str, *, force: bool, head_dim: int) -> dict:
     seconds = round(time.perf_counter() - start, 1)
     lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
     if done.returncode != 0 or not lines:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-6:]
+        tail = (done.stderr + done.stdout).strip().splitlines()[-(30 if wrapper else 6) :]
         return {"probe": name, "ok": False, "exit": done.returncode, "error": tail, "s": seconds}
     return {"probe": name, "ok": True, "s": seconds, **json.loads(lines[-1])}
+
+
+def sanitized(result: dict, *, force: bool, head_dim: int) -> dict:
+    """A failed probe run again under ``compute-sanitizer --tool memcheck``, which names the
+    faulting access (its output's tail), or why it could not be."""
+    tool = shutil.which("compute-sanitizer")
+    if tool is None:
+        return {"probe": result["probe"], "error": "compute-sanitizer not found on PATH"}
+    wrapper = (tool, "--tool", "memcheck", "--print-limit", "4")
+    return probe_in_child(result["probe"], force=force, head_dim=head_dim, wrapper=wrapper)
 
 
 def main(argv=None) -> int:
@@ -118,6 +133,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/gpu_flash_probe.json"))
     parser.add_argument("--force", action="store_true", help="run without a GPU (interpreted)")
     parser.add_argument("--probes", nargs="+", choices=list(PROBES), default=None)
+    parser.add_argument(
+        "--sanitize",
+        action="store_true",
+        help="run the first probe that fails again under compute-sanitizer (slow)",
+    )
     parser.add_argument("--one", choices=list(PROBES), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--head-dim", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -140,11 +160,16 @@ def main(argv=None) -> int:
     device = jax.devices()[0].device_kind
     report = {"device": device, "jax": jax.__version__, "head_dim": head_dim, "probes": []}
     print(f"gpu_flash_probe on {device}, jax {jax.__version__}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for name in names:
         result = probe_in_child(name, force=args.force, head_dim=head_dim)
         report["probes"].append(result)
         print(json.dumps(result), flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+    failed = [r for r in report["probes"] if not r["ok"]]
+    if args.sanitize and failed:
+        report["sanitizer"] = sanitized(failed[0], force=args.force, head_dim=head_dim)
+        print(json.dumps(report["sanitizer"]), flush=True)
         args.out.write_text(json.dumps(report, indent=2))
     return 0
 

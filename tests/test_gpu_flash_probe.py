@@ -45,3 +45,29 @@ def test_forced_probe_runs_the_checked_kernel_in_a_child_and_reports_it(tmp_path
     assert probe["probe"] == "checked, causal, a NaN" and probe["ok"], probe
     assert probe["counts"][0] == [1, 1, 0, 0]  # scores: the NaN detected and corrected
     assert probe["max_abs_diff"] < 0.05  # bf16 output against the float32 reference
+
+
+def test_a_failed_probe_is_sanitized_where_the_tool_is_installed(monkeypatch):
+    """``--sanitize`` runs a failed probe again under ``compute-sanitizer``; without the tool it
+    says so instead of failing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_flash_probe", SCRIPT)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    monkeypatch.setattr(probe.shutil, "which", lambda _: None)
+    failed = {"probe": "unchecked", "ok": False}
+    assert probe.sanitized(failed, force=True, head_dim=64) == {
+        "probe": "unchecked",
+        "error": "compute-sanitizer not found on PATH",
+    }
+    seen = []
+    monkeypatch.setattr(probe.shutil, "which", lambda _: "/opt/cuda/bin/compute-sanitizer")
+    monkeypatch.setattr(probe, "probe_in_child", lambda name, **kw: seen.append((name, kw)) or {})
+    probe.sanitized(failed, force=True, head_dim=64)
+    ((name, kw),) = seen
+    assert name == "unchecked" and kw["wrapper"][:3] == (
+        "/opt/cuda/bin/compute-sanitizer",
+        "--tool",
+        "memcheck",
+    )
