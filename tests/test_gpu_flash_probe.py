@@ -1,6 +1,7 @@
 """``scripts/gpu_flash_probe.py``: without a GPU it says so and exits 0; ``--force`` runs a probe
 of the Mosaic flash kernel in a child process, interpreted on the CPU, and reports it."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -50,8 +51,6 @@ def test_forced_probe_runs_the_checked_kernel_in_a_child_and_reports_it(tmp_path
 def test_a_failed_probe_is_sanitized_where_the_tool_is_installed(monkeypatch):
     """``--sanitize`` runs a failed probe again under ``compute-sanitizer``; without the tool it
     says so instead of failing."""
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("gpu_flash_probe", SCRIPT)
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
