@@ -237,7 +237,7 @@ class KernelSettings:
     @property
     def first_fault_row(self) -> int:
         """The parameter block's row of the first fault's column (its value follows)."""
-        return 2 + (len(COEFFICIENTS) * len(COEFFICIENTS[0]) if self.fused_row_bounds else 2)
+        return (COEFFICIENTS[-1][-1] if self.fused_row_bounds else THRESHOLD_W) + 1
 
     @property
     def expected_rows(self) -> int:
