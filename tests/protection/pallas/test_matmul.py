@@ -66,7 +66,6 @@ def _assert_close(actual, expected, dtype):
     np.testing.assert_allclose(x, y, rtol=rtol, atol=atol * max(1.0, float(np.max(np.abs(y)))))
 
 
-CHECKSUM_GEMMS = list(matmul_mgpu.CHECKSUM_GEMMS)
 # (checksum_gemm, row_bounds): where the expected row sums and the rows' bounds are computed.
 KERNEL_VARIANTS = [("fused", "separate"), ("separate", "separate"), ("fused", "fused")]
 VARIANT_IDS = ["fused-checksums", "separate-checksums", "bounds-in-kernel"]
