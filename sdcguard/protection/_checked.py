@@ -39,7 +39,7 @@ def checked(fn: Callable, config: ABFTConfig | None = None) -> Callable:
     """``fn`` with every floating-point GEMM verified (and repaired) by checksums.
 
     Every GEMM with floating-point operands of 16 bits or more is checked, forward and
-    backward, with no control flow per check; integer and fp8 GEMMs pass through, and
+    backward, with no control flow per check; integer, fp8 and complex GEMMs pass through, and
     :func:`list_sites` says which and why.
 
     Args:

@@ -109,7 +109,8 @@ def _selected(name: str, config: ABFTConfig) -> bool:
 
 
 def checkable_dtype(dtype) -> bool:
-    """Floating point of 16 bits or more: fp16, bf16, fp32, fp64 (fp8 and integers are not)."""
+    """Real floating point of 16 bits or more: fp16, bf16, fp32, fp64 (fp8, integers and
+    complex numbers are not)."""
     dtype = jnp.dtype(dtype)
     return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 2
 
@@ -122,9 +123,9 @@ def _dtype_name(gemm: Gemm) -> str:
 def _why_unchecked(gemm: Gemm, name: str, direction: str, config: ABFTConfig) -> str:
     operands = [v.aval.dtype for v in gemm.eqn.invars[:2]]
     if not all(checkable_dtype(d) for d in operands):
-        # Integer and fp8 GEMMs pass through: the checksum model is for floating GEMMs that
-        # accumulate in float32 or wider.
-        return f"{_dtype_name(gemm)} operands (integer and fp8 GEMMs pass through)"
+        # Integer, fp8 and complex GEMMs pass through: the checksum model is for real floating
+        # GEMMs that accumulate in float32 or wider.
+        return f"{_dtype_name(gemm)} operands (integer, fp8 and complex GEMMs pass through)"
     return _why_not_selected(name, direction, config)
 
 

@@ -199,6 +199,15 @@ def is_fused_attention(eqn) -> bool:
     return eqn.primitive.name.startswith("dot_product_attention")
 
 
+class _LiteralOperand:
+    """A GEMM operand that is a jaxpr literal, compared by identity (see :class:`Gemm`)."""
+
+    __slots__ = ("literal",)
+
+    def __init__(self, literal):
+        self.literal = literal
+
+
 def _walk(
     jaxpr,
     outer: str,
@@ -223,7 +232,9 @@ def _walk(
         return _NOWHERE if isinstance(v, jex_core.Literal) else env.get(v, _NOWHERE)
 
     def first(v):
-        return v if isinstance(v, jex_core.Literal) else same.get(v, v)
+        # A literal operand (the constant cotangent 1.0 of a scalar output) follows no variable
+        # and is not hashable: it stands for itself.
+        return _LiteralOperand(v) if isinstance(v, jex_core.Literal) else same.get(v, v)
 
     for eqn in jaxpr.eqns:
         stack = "/".join(p for p in (outer, str(eqn.source_info.name_stack)) if p)

@@ -114,12 +114,57 @@ def test_integer_gemms_pass_through_unchecked_and_are_listed():
     b = jnp.ones((4, 2), jnp.int8)
     sites = list_sites(fn, a, b, X)
     assert [(s.checked, s.why_unchecked) for s in sites] == [
-        (False, "int8 operands (integer and fp8 GEMMs pass through)"),
+        (False, "int8 operands (integer, fp8 and complex GEMMs pass through)"),
         (True, ""),
     ]
     out, report = jax.jit(sdcguard.checked(fn))(a, b, X)
     assert list(report) == [sites[1].name]
     assert_close(out, fn(a, b, X), jnp.float32)
+
+
+def test_complex_gemms_pass_through_unchecked_and_are_listed():
+    def fn(a, x):
+        return jnp.abs(a @ a).sum() + (x @ x.T).sum()
+
+    a = (jnp.arange(16, dtype=jnp.float32).reshape(4, 4) * (1 + 1j)).astype(jnp.complex64)
+    sites = list_sites(fn, a, X)
+    assert [(s.checked, s.why_unchecked) for s in sites] == [
+        (False, "complex64 operands (integer, fp8 and complex GEMMs pass through)"),
+        (True, ""),
+    ]
+    out, report = jax.jit(sdcguard.checked(fn))(a, X)
+    assert list(report) == [sites[1].name]
+    assert_close(out, fn(a, X), jnp.float32)
+
+
+def test_a_gradient_gemm_of_a_literal_cotangent_is_named_checked_and_corrected():
+    # grad of a dot of two vectors: JAX multiplies by the scalar cotangent 1.0 with a
+    # dot_general whose operand is a jaxpr literal, not a variable.
+    def fn(w, v):
+        return jax.grad(lambda w, v: jnp.dot(v, w @ v), argnums=(0, 1))(w, v)
+
+    w, v = W[0], X[0]
+
+    def literal_operands(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general":
+                yield any(isinstance(x, jax.extend.core.Literal) for x in e.invars)
+            for value in e.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else [value]:
+                    sub = getattr(sub, "jaxpr", sub)  # a closed jaxpr's jaxpr
+                    if hasattr(sub, "eqns"):
+                        yield from literal_operands(sub)
+
+    assert any(literal_operands(jax.make_jaxpr(fn)(w, v).jaxpr)), "a dot_general of a literal"
+    sites = [s for s in list_sites(fn, w, v) if s.checked]
+    expected = jax.jit(fn)(w, v)
+    out, report = jax.jit(sdcguard.checked(fn))(w, v)
+    assert set(report) == {s.name for s in sites} and int(total(report)[0]) == 0
+    jax.tree.map(lambda x, y: assert_close(x, y, jnp.float32), out, expected)
+    for site in {s.name for s in sites}:
+        out, report = run_with(only(site, index=0), fn, w, v)
+        assert int(report[site][0]) >= 1 and int(unsafe_checks(total(report))) == 0, site
+        jax.tree.map(lambda x, y: assert_close(x, y, jnp.float32), out, expected)
 
 
 @pytest.mark.parametrize("mode", ["detect_only", "recompute"])
