@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import string
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -226,3 +227,14 @@ def set_lines(x, letters: str, at: dict[str, jax.Array], kept: str, lines) -> ja
     if picked == list(range(picked[0], picked[0] + len(picked))):
         lines = jnp.moveaxis(lines, 0, picked[0])  # numpy's rule, as in gather_lines
     return x.at[index].set(lines, mode="promise_in_bounds", unique_indices=True)
+
+
+def empty_gemm(*shapes: Sequence[int]) -> bool:
+    """Whether a GEMM of operands of these shapes computes nothing: its output is empty, or
+    nothing is contracted (XLA writes zeros). Such a GEMM is not checked.
+
+    Example:
+      >>> empty_gemm((0, 8), (8, 4))
+      True
+    """
+    return any(0 in tuple(shape) for shape in shapes)

@@ -28,7 +28,7 @@ from sdcguard.protection._checks import (
     contraction_verdict,
 )
 from sdcguard.protection._config import ABFTConfig, zero_counts
-from sdcguard.protection._contraction import Contraction
+from sdcguard.protection._contraction import Contraction, empty_gemm
 from sdcguard.protection._sharding import device_mesh, shard_local
 from sdcguard.protection._tolerance import narrower_than_float32
 
@@ -157,6 +157,7 @@ def checked_gemm(
     """
     if site_axes is None:
         site_axes = tuple(range(len(contraction.out)))
+    check = check and not empty_gemm(a.shape, b.shape)
     if check and implementation_for(config, a, b) == "pallas" and mesh is None:
         from sdcguard.protection import pallas  # Pallas is a heavy import
 
@@ -217,7 +218,9 @@ class GemmJob(NamedTuple):
 
 def groups_checks(config: ABFTConfig, *operands: jax.Array) -> bool:
     """Whether GEMMs of these operands can share one repair decision (:func:`checked_gemm_group`):
-    checked on the XLA path, on one device (no mesh to shard over)."""
+    checked on the XLA path, on one device (no mesh to shard over), none of them empty."""
+    if empty_gemm(*(x.shape for x in operands)):
+        return False
     return implementation_for(config) == "xla" and device_mesh(*operands) is None
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from sdcguard.fault_model import site_matches
 from sdcguard.protection import _fused_attention as fused_attention
 from sdcguard.protection._config import ABFTConfig
+from sdcguard.protection._contraction import empty_gemm
 from sdcguard.protection._naming import name_program
 from sdcguard.protection._walk import (
     Gemm,
@@ -126,7 +127,12 @@ def _why_unchecked(gemm: Gemm, name: str, direction: str, config: ABFTConfig) ->
         # Integer, fp8 and complex GEMMs pass through: the checksum model is for real floating
         # GEMMs that accumulate in float32 or wider.
         return f"{_dtype_name(gemm)} operands (integer, fp8 and complex GEMMs pass through)"
-    return _why_not_selected(name, direction, config)
+    if not empty_gemm(gemm.lhs_shape, gemm.rhs_shape):
+        return _why_not_selected(name, direction, config)
+    return (
+        f"zero-size operands {gemm.lhs_shape} x {gemm.rhs_shape}: no GEMM runs (the output is "
+        "empty, or zeros where nothing is contracted)"
+    )
 
 
 def _why_not_selected(name: str, direction: str, config: ABFTConfig) -> str:

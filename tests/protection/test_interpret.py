@@ -137,6 +137,28 @@ def test_complex_gemms_pass_through_unchecked_and_are_listed():
     assert_close(out, fn(a, X), jnp.float32)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(
+    "lhs, rhs", [((0, 8), (8, 4)), ((3, 0), (0, 4)), ((2, 0, 8), (8, 4))],
+    ids=["no_rows", "nothing_contracted", "empty_batch"],
+)  # fmt: skip
+def test_empty_gemms_pass_through_and_say_why(lhs, rhs, dtype):
+    def fn(a, b, x):
+        return jnp.sum((a @ b).astype(jnp.float32)) + jnp.sum(x @ x.T), a @ b
+
+    step = jax.grad(fn, argnums=(0, 1), has_aux=True)
+    a, b = jnp.ones(lhs, dtype), jnp.ones(rhs, dtype)
+    sites = list_sites(step, a, b, X)
+    empty = [s for s in sites if not s.checked]
+    assert empty and all("zero-size operands" in s.why_unchecked for s in empty)
+    assert all(0 in s.lhs_shape + s.rhs_shape for s in empty)
+    assert any(s.checked for s in sites)  # x @ x.T and its gradient GEMMs
+    out, report = jax.jit(sdcguard.checked(step))(a, b, X)
+    assert set(report) == {s.name for s in sites if s.checked}
+    np.testing.assert_array_equal(total(report), [0, 0, 0, 0])
+    jax.tree.map(lambda x, y: assert_close(x, y, dtype), out, jax.jit(step)(a, b, X))
+
+
 def test_a_gradient_gemm_of_a_literal_cotangent_is_named_checked_and_corrected():
     # grad of a dot of two vectors: JAX multiplies by the scalar cotangent 1.0 with a
     # dot_general whose operand is a jaxpr literal, not a variable.

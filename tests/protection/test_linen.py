@@ -120,6 +120,30 @@ def test_parity_with_flax(variant, dtype):
     np.testing.assert_array_equal(sl.total_counts(st_o["sdc"]), [0, 0, 0, 0])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("shape", [(0, LENGTH), (BATCH, 0)], ids=["no_batch", "no_tokens"])
+def test_empty_inputs_pass_through_as_in_flax(shape, dtype):
+    # An empty batch or sequence computes nothing: nothing to check, nothing counted.
+    flax_layer, ours = make_pair(dtype=dtype)
+    x, _ = inputs(dtype)
+    params = flax_layer.init(jax.random.key(0), x)["params"]
+    empty = jnp.zeros((*shape, FEATURES), dtype)
+
+    def loss(layer, params):
+        out, state = layer.apply({"params": params}, empty, mutable=["sdc"])
+        return jnp.sum(out.astype(jnp.float32)), (out, state)
+
+    (_, (out_f, _)), g_f = jax.value_and_grad(functools.partial(loss, flax_layer), has_aux=True)(
+        params
+    )
+    (_, (out_o, state)), g_o = jax.value_and_grad(functools.partial(loss, ours), has_aux=True)(
+        params
+    )
+    assert out_o.shape == out_f.shape == empty.shape
+    jax.tree_util.tree_map(lambda a, b: assert_close(a, b, dtype), g_o, g_f)
+    np.testing.assert_array_equal(sl.total_counts(state["sdc"]), [0, 0, 0, 0])
+
+
 def test_decode_cache_parity():
     flax_layer, ours = make_pair(decode=True)
     x, _ = inputs()
