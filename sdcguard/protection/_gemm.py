@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -26,6 +27,7 @@ from sdcguard.protection._checks import (
     check_contraction,
     check_scope,
     contraction_verdict,
+    protected_scope,
 )
 from sdcguard.protection._config import ABFTConfig, zero_counts
 from sdcguard.protection._contraction import Contraction, empty_gemm
@@ -202,7 +204,8 @@ def checked_gemm(
             site=site,
         )
 
-    return shard_local(local, a, b, plan, contraction, mesh=mesh)
+    with jax.named_scope(protected_scope(site)) if check else contextlib.nullcontext():
+        return shard_local(local, a, b, plan, contraction, mesh=mesh)
 
 
 class GemmJob(NamedTuple):
@@ -237,6 +240,17 @@ def gemm_verdict(
 
     Only for GEMMs that :func:`groups_checks` accepts.
     """
+    with jax.named_scope(protected_scope(job.site)):
+        return _gemm_verdict(
+            job,
+            config=config,
+            plan=plan,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+        )
+
+
+def _gemm_verdict(job, *, config, plan, precision, preferred_element_type):
     a, b = as_stored(job.a), as_stored(job.b)
     ct = job.contraction
     c = dot(

@@ -21,6 +21,8 @@ import sdcguard
 from sdcguard.fault_model import Fault, FaultPlan
 from sdcguard.protection import list_sites, total
 
+from tests.helpers.tolerances import assert_close
+
 # Parity of a checked step with the plain one. The checked GEMM is the same dot_general on the
 # same operands, but its output passes a repair loop, which XLA may not fuse across: float32
 # round-off of the fused neighbours (a few ulps of the step's values), nothing more.
@@ -305,3 +307,78 @@ def test_inf_at_a_site_is_corrected(name, where):
     np.testing.assert_array_equal(report[site], [1, 1, 0, 0])
     np.testing.assert_array_equal(total(report), [1, 1, 0, 0])
     assert_tree_close(out, case.expected)
+
+
+# --- Drop-in attention layers inside a checked step ---------------------------------------------
+
+
+class _DropInBlock(nn.Module):
+    """Drop-in attention (checks its own GEMMs) and a plain MLP (left to ``checked``)."""
+
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        from sdcguard.protection import linen as protected
+
+        x = x + protected.MultiHeadDotProductAttention(num_heads=2, dtype=self.dtype, name="attn")(
+            x
+        )
+        h = nn.gelu(nn.Dense(16, dtype=self.dtype, name="mlp_in")(x))
+        return nn.Dense(x.shape[-1], dtype=self.dtype, name="mlp_out")(h)
+
+
+def _drop_in_step(dtype):
+    model = _DropInBlock(dtype)
+    x = jax.random.normal(jax.random.key(1), (2, 8, 16)).astype(dtype)
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def step(params, x):
+        def loss(params):
+            out, state = model.apply({"params": params}, x, mutable=["sdc"])
+            return jnp.sum(out.astype(jnp.float32) ** 2), state["sdc"]
+
+        (value, sdc), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        return value, grads, sdc
+
+    return step, (params, x)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_gemms_a_drop_in_layer_checks_are_not_checked_again(dtype):
+    from sdcguard.protection import linen as protected
+
+    step, args = _drop_in_step(dtype)
+    sites = list_sites(step, *args)
+    checked = {s.name for s in sites if s.checked}
+    # The MLP's six GEMMs (forward and both gradients), nothing of the attention layer.
+    assert len(checked) == 6 and all("mlp_" in n for n in checked), checked
+    skipped = {s.why_unchecked for s in sites if not s.checked}
+    assert skipped == {
+        "already checked where it runs (a drop-in attention layer, a checked einsum)",
+        "a GEMM of an ABFT check (its checksums or a recomputed line): not checked again",
+    }
+    expected = jax.jit(step)(*args)
+    out, report = jax.jit(sdcguard.checked(step))(*args)
+    assert set(report) == checked
+    np.testing.assert_array_equal(total(report), [0, 0, 0, 0])
+    np.testing.assert_array_equal(protected.total_counts(out[2]), [0, 0, 0, 0])
+
+    @jax.jit
+    def faulty(plan, *args):
+        with sdcguard.faults(plan):
+            return sdcguard.checked(step)(*args)
+
+    # A fault at the layer's own site is the layer's to correct; one at the MLP is checked's.
+    scores = next(n for n in protected.site_counts(out[2]) if n.endswith(":scores"))
+    mlp = next(n for n in checked if n.endswith("mlp_in:dot_general"))
+    for site, layer_counts, checked_counts in (
+        (scores, [1, 1, 0, 0], [0, 0, 0, 0]),
+        (mlp, [0, 0, 0, 0], [1, 1, 0, 0]),
+    ):
+        plan = FaultPlan.from_faults([Fault(site=site, kind="inf", index=5)], capacity=2)
+        out, report = faulty(plan, *args)
+        np.testing.assert_array_equal(protected.total_counts(out[2]), layer_counts)
+        np.testing.assert_array_equal(total(report), checked_counts)
+        for x, y in zip(jax.tree.leaves(out[:2]), jax.tree.leaves(expected[:2]), strict=True):
+            assert_close(x, y, dtype)
