@@ -32,10 +32,8 @@ from sdcguard.protection._checked import (
 )
 from sdcguard.protection._checks import (
     CHECK_SCOPE as CHECK_SCOPE,
-    PROTECTED_SCOPE as PROTECTED_SCOPE,
     check_contraction as check_contraction,
     check_scope as check_scope,
-    protected_scope as protected_scope,
 )
 from sdcguard.protection._checksums import line_checksums as line_checksums
 from sdcguard.protection._config import (
@@ -50,7 +48,6 @@ from sdcguard.protection._tolerance import roundoff_gamma as roundoff_gamma
 
 __all__ = [
     "CHECK_SCOPE",
-    "PROTECTED_SCOPE",
     "ABFTConfig",
     "Contraction",
     "Counts",
@@ -70,7 +67,6 @@ __all__ = [
     "list_sites",
     "nnx",
     "protected_attention",
-    "protected_scope",
     "roundoff_gamma",
     "total",
     "unsafe_checks",

@@ -47,26 +47,12 @@ def check_scope(site: str | None = None) -> str:
     return CHECK_SCOPE if site is None else f"{CHECK_SCOPE}[{site.replace('/', '|')}]"
 
 
-# The ``jax.named_scope`` a GEMM checked where it runs is computed under (its check inside it):
-# ``sdcguard.checked`` around a step that already checks some GEMMs (drop-in layers, a checked
-# step) does not check them again (:func:`already_checked`).
-PROTECTED_SCOPE = "sdcguard_protected"
-
-
-def protected_scope(site: str) -> str:
-    """The named scope of the checked GEMM of ``site`` (``/`` written ``|``, as in
-    :func:`check_scope`)."""
-    return f"{PROTECTED_SCOPE}[{site.replace('/', '|')}]"
-
-
-def already_checked(name_stack: str) -> str:
-    """Why a GEMM run under ``name_stack`` is not checked again, or ``''``: a check's own GEMM
-    (its checksums, a recomputed row), or a GEMM checked where it runs."""
-    parts = name_stack.split("/")
-    if any(p.startswith(CHECK_SCOPE) for p in parts):
-        return "a GEMM of an ABFT check (its checksums or a recomputed line): not checked again"
-    if any(p.startswith(PROTECTED_SCOPE) for p in parts):
-        return "already checked where it runs (a drop-in attention layer, a checked einsum)"
+def in_a_check(name_stack: str) -> str:
+    """Why a GEMM run under ``name_stack`` is not checked, or ``''``: it is a check's own GEMM
+    (its checksums, a recomputed row). A corrupted one can only raise an alarm, which the
+    check's repair then settles."""
+    if any(p.startswith(CHECK_SCOPE) for p in name_stack.split("/")):
+        return "a GEMM of an ABFT check (its checksums or a recomputed line)"
     return ""
 
 

@@ -11,7 +11,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -27,7 +26,6 @@ from sdcguard.protection._checks import (
     check_contraction,
     check_scope,
     contraction_verdict,
-    protected_scope,
 )
 from sdcguard.protection._config import ABFTConfig, zero_counts
 from sdcguard.protection._contraction import Contraction, empty_gemm
@@ -204,8 +202,7 @@ def checked_gemm(
             site=site,
         )
 
-    with jax.named_scope(protected_scope(site)) if check else contextlib.nullcontext():
-        return shard_local(local, a, b, plan, contraction, mesh=mesh)
+    return shard_local(local, a, b, plan, contraction, mesh=mesh)
 
 
 class GemmJob(NamedTuple):
@@ -240,17 +237,6 @@ def gemm_verdict(
 
     Only for GEMMs that :func:`groups_checks` accepts.
     """
-    with jax.named_scope(protected_scope(job.site)):
-        return _gemm_verdict(
-            job,
-            config=config,
-            plan=plan,
-            precision=precision,
-            preferred_element_type=preferred_element_type,
-        )
-
-
-def _gemm_verdict(job, *, config, plan, precision, preferred_element_type):
     a, b = as_stored(job.a), as_stored(job.b)
     ct = job.contraction
     c = dot(
