@@ -62,6 +62,11 @@ def checked(fn: Callable, config: ABFTConfig | None = None) -> Callable:
       >>> out, report = sdcguard.checked(train_step)(state, batch)
       >>> bad = sdcguard.protection.unsafe_checks(sdcguard.protection.total(report))
     """
+    if not callable(fn):
+        raise TypeError(
+            f"sdcguard.checked takes the function to check (a training step), got "
+            f"{type(fn).__name__}, which is not callable; write sdcguard.checked(step)(*args)"
+        )
     config = ABFTConfig() if config is None else config
     config.validate_for_checked()
 

@@ -122,6 +122,11 @@ def test_integer_gemms_pass_through_unchecked_and_are_listed():
     assert_close(out, fn(a, b, X), jnp.float32)
 
 
+def test_checked_refuses_what_is_not_a_function_before_it_is_called():
+    with pytest.raises(TypeError, match=r"takes the function to check.*not callable"):
+        sdcguard.checked(X)
+
+
 def test_complex_gemms_pass_through_unchecked_and_are_listed():
     def fn(a, x):
         return jnp.abs(a @ a).sum() + (x @ x.T).sum()
