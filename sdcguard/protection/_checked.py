@@ -28,11 +28,12 @@ from sdcguard.protection._select import GemmSite, site_table, validate_selection
 from sdcguard.protection._trace import trace
 
 
-def _prepare(fn, config: ABFTConfig, args, kwargs) -> Program:
+def _prepare(fn, config: ABFTConfig, args, kwargs, points: dict) -> Program:
     traced = trace(fn, args, kwargs)
+    own_points = frozenset(points)  # what tracing fn recorded: its own injection points
     table = site_table(traced.closed.jaxpr, config, traced.paths)
     validate_selection(config, [s.name for s in table.sites])
-    return Program(traced, table, sharding.device_mesh(*traced.arrays))
+    return Program(traced, table, sharding.device_mesh(*traced.arrays), own_points)
 
 
 def checked(fn: Callable, config: ABFTConfig | None = None) -> Callable:
@@ -73,7 +74,7 @@ def checked(fn: Callable, config: ABFTConfig | None = None) -> Callable:
     @functools.wraps(fn)
     def run(*args, **kwargs):
         with inject.recording_injection_points({}) as points:
-            program = _prepare(fn, config, args, kwargs)
+            program = _prepare(fn, config, args, kwargs, points)
             if config.recompute:
                 outs, report = run_recomputing(program, config)
             else:

@@ -83,7 +83,9 @@ def _sharded_as(x: jax.Array, aval) -> jax.Array:
 class Evaluator:
     """Evaluates jaxprs with every selected dot_general checked, returning the counters."""
 
-    def __init__(self, table: SiteTable, config: ABFTConfig, mesh=None):
+    def __init__(
+        self, table: SiteTable, config: ABFTConfig, mesh=None, own_points: frozenset = frozenset()
+    ):
         self.names = table.names
         self.why = table.why
         self.cores = table.cores
@@ -93,6 +95,14 @@ class Evaluator:
         # The mesh the step's inputs are sharded over under jit (None: unsharded, shard_map,
         # pmap): every GEMM outside shard_map is checked per device, its counters [rows, 4].
         self.mesh = mesh
+        # Sites the function injects into itself (a drop-in layer's): a fault there is the
+        # function's to inject, once, not again at a GEMM this interpreter names the same.
+        self.own_points = own_points
+
+    def plan(self, site: str, like: jax.Array):
+        """The fault plan to inject at ``site`` here: None where the function has its own
+        injection point of that name."""
+        return None if site in self.own_points else inject.active_plan(like=like)
 
     @property
     def sharded(self) -> bool:
@@ -226,7 +236,7 @@ class Evaluator:
         out, verdict = gemm_verdict(
             GemmJob(lhs, rhs, contraction, name),
             config=config,
-            plan=inject.active_plan(like=lhs),
+            plan=self.plan(name, lhs),
             precision=params.get("precision"),
             preferred_element_type=params.get("preferred_element_type"),
         )
@@ -253,7 +263,7 @@ class Evaluator:
                 # A fault strikes a GEMM whether or not it is checked: an unchecked floating
                 # GEMM keeps its injection point (a campaign's unprotected baseline is
                 # ``include=()``).
-                out = inject.apply(out, inject.active_plan(like=out), name)
+                out = inject.apply(out, self.plan(name, out), name)
             return out, {}
         dimension_numbers = params["dimension_numbers"]
         contraction = Contraction.from_dot_general(lhs.ndim, rhs.ndim, dimension_numbers)
@@ -264,7 +274,7 @@ class Evaluator:
             contraction,
             site=name,
             config=self.config,
-            plan=inject.active_plan(like=lhs),
+            plan=self.plan(name, lhs),
             precision=params.get("precision"),
             preferred_element_type=params.get("preferred_element_type"),
             mesh=mesh,
@@ -459,6 +469,7 @@ class Program(NamedTuple):
     traced: Traced
     table: SiteTable
     mesh: Any
+    own_points: frozenset = frozenset()  # injection points the traced function has itself
 
 
 def reduce_counts(counts: dict, per_device: set[str], mesh=None) -> Report:
@@ -490,7 +501,7 @@ def run_checked(program: Program, config: ABFTConfig, inputs=None) -> tuple[list
     Returns:
       ``(outputs, report)``: the jaxpr's outputs and ``{site: int32 [4]}``.
     """
-    evaluator = Evaluator(program.table, config, mesh=program.mesh)
+    evaluator = Evaluator(program.table, config, mesh=program.mesh, own_points=program.own_points)
     traced = program.traced
     consts, arrays = inputs or (traced.closed.consts, traced.arrays)
     outs, counts = evaluator.run(traced.closed.jaxpr, consts, arrays)
