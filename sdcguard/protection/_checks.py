@@ -47,15 +47,6 @@ def check_scope(site: str | None = None) -> str:
     return CHECK_SCOPE if site is None else f"{CHECK_SCOPE}[{site.replace('/', '|')}]"
 
 
-def in_a_check(name_stack: str) -> str:
-    """Why a GEMM run under ``name_stack`` is not checked, or ``''``: it is a check's own GEMM
-    (its checksums, a recomputed row). A corrupted one can only raise an alarm, which the
-    check's repair then settles."""
-    if any(p.startswith(CHECK_SCOPE) for p in name_stack.split("/")):
-        return "a GEMM of an ABFT check (its checksums or a recomputed line)"
-    return ""
-
-
 def in_check_scope(fn):
     """``fn`` with the operations it emits under :data:`CHECK_SCOPE` (op-name metadata only)."""
 

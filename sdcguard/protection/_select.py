@@ -16,7 +16,6 @@ import jax.numpy as jnp
 
 from sdcguard.fault_model import site_matches
 from sdcguard.protection import _fused_attention as fused_attention
-from sdcguard.protection._checks import in_a_check
 from sdcguard.protection._config import ABFTConfig
 from sdcguard.protection._contraction import empty_gemm
 from sdcguard.protection._naming import name_program
@@ -129,7 +128,7 @@ def _why_unchecked(gemm: Gemm, name: str, direction: str, config: ABFTConfig) ->
         # GEMMs that accumulate in float32 or wider.
         return f"{_dtype_name(gemm)} operands (integer, fp8 and complex GEMMs pass through)"
     if not empty_gemm(gemm.lhs_shape, gemm.rhs_shape):
-        return in_a_check(gemm.scope) or _why_not_selected(name, direction, config)
+        return _why_not_selected(name, direction, config)
     return (
         f"zero-size operands {gemm.lhs_shape} x {gemm.rhs_shape}: no GEMM runs (the output is "
         "empty, or zeros where nothing is contracted)"
