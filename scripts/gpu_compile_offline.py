@@ -384,6 +384,37 @@ def mosaic_gemm_inventory(device, m: int, k: int, n: int) -> dict:
     return out
 
 
+def flash_compile(device, seq: int, lowering: str) -> dict:
+    """The Mosaic GPU flash attention kernels (forward, dQ, dK/dV) compiled for an H200 under
+    Mosaic GPU's ``lowering`` semantics: bf16, B 1, H 4, D 128, causal, with a fault plan.
+
+    Returns the compile time and the Mosaic GPU kernels in the compiled program. With
+    ``MOSAIC_GPU_DUMP_PTXAS=1`` in the environment, ``ptxas`` prints each kernel's registers
+    and spills (to stderr, from outside Python).
+    """
+    import jax.numpy as jnp
+
+    from sdcguard import fault_model
+    from sdcguard.protection.pallas import flash
+
+    q = jax.ShapeDtypeStruct((1, seq, 4, 128), jnp.bfloat16)
+    plan = fault_model.FaultPlan.from_faults(
+        [fault_model.Fault(site="attn:scores", kind="nan", index=3)]
+    )
+
+    def loss(q, k, v):
+        out, _ = flash.flash_attention(
+            q, k, v, causal=True, plan=plan, interpret=False, kernel="mosaic",
+            mosaic_lowering=lowering,
+        )  # fmt: skip
+        return jnp.sum(out.astype(jnp.float32))
+
+    start = time.perf_counter()
+    hlo = compile_for(device, jax.grad(loss, argnums=(0, 1, 2)), (q, q, q)).as_text()
+    names = sorted(set(re.findall(r"checked_flash_attention_\w+_mgpu", hlo)))
+    return {"compile_s": round(time.perf_counter() - start, 1), "mosaic_kernels": names}
+
+
 def fusion_probes(device) -> dict:
     """What XLA:GPU fuses, on small programs shaped like a check's vector work, for ``device``.
 
@@ -514,6 +545,13 @@ def main() -> int:
         help="inventory the Mosaic checked GEMM (detect only, correcting) at these shapes",
     )
     parser.add_argument(
+        "--flash",
+        nargs="+",
+        default=None,
+        metavar="LOWERING",
+        help="compile the Mosaic flash kernels under these lowering semantics (warpgroup, lane)",
+    )
+    parser.add_argument(
         "--fusion-probes",
         action="store_true",
         help="count the kernels of small programs that show what XLA:GPU fuses (fusion_probes)",
@@ -526,6 +564,13 @@ def main() -> int:
             print(f"{name}: {probe['kernels']} kernels {probe['per_kind']}; {probe['what']}")
         if args.out:
             args.out.write_text(json.dumps(probes, indent=2))
+        return 0
+    if args.flash:
+        flashes = {lowering: flash_compile(device, 1024, lowering) for lowering in args.flash}
+        for lowering, result in flashes.items():
+            print(f"flash attention, {lowering} semantics: {result}", flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(flashes, indent=2))
         return 0
     if args.mosaic_gemm:
         gemms = {}

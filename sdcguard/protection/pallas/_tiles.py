@@ -137,15 +137,18 @@ def corrupt_tile(old: jax.Array, kind, bit, value) -> jax.Array:
     near_inf = jnp.asarray(min(NEAR_INF, float(finfo.max)), dtype)
     flip = jnp.asarray(1, uint) << (bit % nbits).astype(uint)
     flipped = lax.bitcast_convert_type(lax.bitcast_convert_type(old, uint) ^ flip, dtype)
+    # Each predicate is broadcast to the tile: Mosaic GPU's Warpgroup lowering refuses a
+    # scalar predicate in a select of tiles.
+    is_kind = lambda k: jnp.broadcast_to(kind == int(k), old.shape)
     out = old
-    out = jnp.where(kind == int(FaultKind.INF), jnp.asarray(jnp.inf, dtype), out)
-    out = jnp.where(kind == int(FaultKind.NEG_INF), jnp.asarray(-jnp.inf, dtype), out)
-    out = jnp.where(kind == int(FaultKind.NAN), jnp.asarray(jnp.nan, dtype), out)
-    out = jnp.where(kind == int(FaultKind.NEAR_INF), near_inf, out)
-    out = jnp.where(kind == int(FaultKind.BITFLIP), flipped, out)
-    out = jnp.where(kind == int(FaultKind.VALUE), value.astype(dtype), out)
+    out = jnp.where(is_kind(FaultKind.INF), jnp.asarray(jnp.inf, dtype), out)
+    out = jnp.where(is_kind(FaultKind.NEG_INF), jnp.asarray(-jnp.inf, dtype), out)
+    out = jnp.where(is_kind(FaultKind.NAN), jnp.asarray(jnp.nan, dtype), out)
+    out = jnp.where(is_kind(FaultKind.NEAR_INF), near_inf, out)
+    out = jnp.where(is_kind(FaultKind.BITFLIP), flipped, out)
+    out = jnp.where(is_kind(FaultKind.VALUE), value.astype(dtype), out)
     scaled = (old.astype(jnp.float32) * value).astype(dtype)
-    return jnp.where(kind == int(FaultKind.SCALE), scaled, out)
+    return jnp.where(is_kind(FaultKind.SCALE), scaled, out)
 
 
 def inject_tile(tile, refs, count: int, *, c0, c1, rows, cols, enabled=None):
@@ -182,6 +185,12 @@ def inject_tile(tile, refs, count: int, *, c0, c1, rows, cols, enabled=None):
 def finite(x: jax.Array) -> jax.Array:
     """``isfinite`` from a comparison (NaN and ±INF compare false), which Mosaic GPU lowers."""
     return jnp.abs(x) < jnp.inf
+
+
+def nonfinite(x: jax.Array) -> jax.Array:
+    """``~isfinite`` from comparisons: Mosaic GPU's Warpgroup lowering of a boolean ``not``
+    goes through an integer and back, which it cannot lower for one-bit registers."""
+    return (jnp.abs(x) == jnp.inf) | (x != x)
 
 
 def split3(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:

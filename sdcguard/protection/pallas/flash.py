@@ -84,6 +84,7 @@ KERNELS = ("auto", "mosaic", "triton")
 class _Static(flash_triton.Settings):
     path: str
     kernel: str = "triton"  # "mosaic" (Mosaic GPU) or "triton", forward and backward
+    mosaic_lowering: str = "warpgroup"  # Mosaic GPU's lowering semantics (flash_mgpu.LOWERINGS)
 
     def site(self, name: str) -> str:
         return f"{self.path}:{name}"
@@ -108,11 +109,13 @@ def _tables(st: _Static, plan, names, q_shape, k_shape):
     return {n: fault_table(plan, st.site(n), *layouts[n]) for n in names}
 
 
-def _mosaic_blocks(block_sizes: BlockSizes):
+def _mosaic_blocks(block_sizes: BlockSizes, lowering: str = "warpgroup"):
     """The Mosaic GPU kernel's tiles from ``block_sizes`` (None when they do not fit it)."""
     if block_sizes.block_q % 64 or block_sizes.block_k % 64:
         return None
-    return flash_mgpu.MosaicBlockSizes(block_q=block_sizes.block_q, block_kv=block_sizes.block_k)
+    return flash_mgpu.MosaicBlockSizes(
+        block_q=block_sizes.block_q, block_kv=block_sizes.block_k, lowering=lowering
+    )
 
 
 def _forward(st: _Static, q, k, v, mask, plan):
@@ -120,7 +123,7 @@ def _forward(st: _Static, q, k, v, mask, plan):
     if st.kernel == "mosaic":
         out, lse, flags = flash_mgpu.forward(
             q, k, v, causal=st.causal, sm_scale=st.sm_scale, config=st.config, tables=tables,
-            blocks=_mosaic_blocks(st.block_sizes), mask=mask,
+            blocks=_mosaic_blocks(st.block_sizes, st.mosaic_lowering), mask=mask,
         )  # fmt: skip
         return out, lse, flash_mgpu.flag_counts(flags)
     with outside_gpu_interpret_mode(st.interpret):
@@ -132,7 +135,8 @@ def _backward(st: _Static, q, k, v, mask, plan, out, lse, do):
     if st.kernel == "mosaic":
         return flash_mgpu.backward(
             q, k, v, out, lse, do.astype(q.dtype), causal=st.causal, sm_scale=st.sm_scale,
-            config=st.config, tables=tables, blocks=_mosaic_blocks(st.block_sizes), mask=mask,
+            config=st.config, tables=tables, mask=mask,
+            blocks=_mosaic_blocks(st.block_sizes, st.mosaic_lowering),
         )  # fmt: skip
     with outside_gpu_interpret_mode(st.interpret):
         return flash_triton.backward(st, q, k, v, mask, tables, out, lse, do)
@@ -190,6 +194,7 @@ def flash_attention(
     block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
     interpret: bool | None = None,
     kernel: str = "auto",
+    mosaic_lowering: str = "warpgroup",
 ) -> tuple[jax.Array, jax.Array]:
     """Flash attention with ABFT-checked tile products, forward and backward.
 
@@ -216,6 +221,8 @@ def flash_attention(
         Triton backend (any dtype and shape); ``"auto"``: Mosaic GPU where it can run this
         call on a Hopper GPU (unless ``interpret``) or under GPU interpret mode, else Triton.
         The backward kernels are the same backend's.
+      mosaic_lowering: Mosaic GPU's lowering semantics for its kernels, ``"warpgroup"`` or
+        ``"lane"`` (:class:`~sdcguard.protection.pallas.MosaicBlockSizes`'s ``lowering``).
 
     Returns:
       ``(out, counts)``: ``out [B, Tq, H, D]`` and int32 ``[3, 4]`` counts (rows
@@ -244,6 +251,7 @@ def flash_attention(
     st = _static(
         q, k, v, mask, mask_shape, causal=causal, sm_scale=sm_scale, config=config, path=path,
         precision=precision, block_sizes=block_sizes, interpret=interpret, kernel=kernel,
+        mosaic_lowering=mosaic_lowering,
     )  # fmt: skip
     plan = _plan_for(plan, q)
     return _flash(st, q, k, v, mask, plan, zero_core_sink() if sink is None else sink)
@@ -264,14 +272,19 @@ def _static(
     block_sizes,
     interpret,
     kernel,
+    mosaic_lowering,
 ) -> _Static:
     """The static settings of one call (the kernel chosen for these operands)."""
+    if mosaic_lowering not in flash_mgpu.LOWERINGS:
+        raise ValueError(
+            f"mosaic_lowering={mosaic_lowering!r}: use one of {sorted(flash_mgpu.LOWERINGS)}"
+        )
     interpret = resolve_interpret(interpret)
     choice = _choose_kernel(kernel, q, k, v, mask, block_sizes, interpret, causal=bool(causal))
     return _Static(
         kernel=choice.kernel, causal=bool(causal), sm_scale=float(sm_scale), config=config,
         path=path, precision=precision, block_sizes=block_sizes, interpret=interpret,
-        mask_shape=mask_shape,
+        mask_shape=mask_shape, mosaic_lowering=mosaic_lowering,
     )  # fmt: skip
 
 
@@ -296,6 +309,7 @@ def flash_forward(
     block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
     interpret: bool | None = None,
     kernel: str = "auto",
+    mosaic_lowering: str = "warpgroup",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The forward kernel alone, returning what its backward needs (no mask, no ``custom_vjp``).
 
@@ -316,6 +330,7 @@ def flash_forward(
     st = _static(
         q, k, v, None, None, causal=causal, sm_scale=sm_scale, config=config, path=path,
         precision=precision, block_sizes=block_sizes, interpret=interpret, kernel=kernel,
+        mosaic_lowering=mosaic_lowering,
     )  # fmt: skip
     plan = _plan_for(plan, q)
     return _forward(st, q, k, v, None, plan)
@@ -338,6 +353,7 @@ def flash_backward(
     block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
     interpret: bool | None = None,
     kernel: str = "auto",
+    mosaic_lowering: str = "warpgroup",
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The backward kernels alone: gradients of :func:`flash_forward`'s ``out``.
 
@@ -353,6 +369,7 @@ def flash_backward(
     st = _static(
         q, k, v, None, None, causal=causal, sm_scale=sm_scale, config=config, path=path,
         precision=precision, block_sizes=block_sizes, interpret=interpret, kernel=kernel,
+        mosaic_lowering=mosaic_lowering,
     )  # fmt: skip
     plan = _plan_for(plan, q)
     dq, dk, dv, _, _, counts = _flash_bwd(st, (q, k, v, None, plan, out, lse), (d_out, None))

@@ -87,6 +87,7 @@ from sdcguard.protection.pallas._tiles import (
     finite,
     inject_tile,
     matrix_counts,
+    nonfinite,
     split3,
 )
 
@@ -98,29 +99,36 @@ _KSCAL = 4  # per key tile: s, Σ|K|·s, Σ_j (j+1)·Σ_d|K[j,d]|·s, 0
 _VROWS = 4  # per key: Σ_d V, Σ_d |V|, Σ_d (d+1)·V, Σ_d (d+1)·|V|
 _FLAG_ROWS = 8  # per query row: det/unc of scores, probs, context, 2 unused
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# Lane semantics, explicitly: the kernels are written for it (jax 0.10's default). jax 0.11
-# made Warpgroup the default, whose lowering refuses the kernels' implicit broadcasts in
-# `select` and their bool registers; see docs/pallas.md, "Supported JAX versions".
-_COMPILER_PARAMS = plgpu.CompilerParams(
-    approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
-)
+# Mosaic GPU's lowering semantics by name (MosaicBlockSizes.lowering).
+LOWERINGS = {
+    "warpgroup": plgpu.LoweringSemantics.Warpgroup,
+    "lane": plgpu.LoweringSemantics.Lane,
+}
 # The kernel's names for the fault sites it injects into.
 SITES = ("scores", "probs", "context")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MosaicBlockSizes:
-    """Tiles of the Mosaic GPU forward kernel.
+    """Tiles of the Mosaic GPU forward kernel, and how Mosaic GPU lowers the kernels.
 
     Attributes:
       block_q: query rows per compute warpgroup (a block holds two: ``2·block_q`` rows).
       block_kv: keys per tile.
       max_concurrent_steps: key/value tiles in flight (shared-memory ring slots, >= 2).
+      lowering: Mosaic GPU's lowering semantics for the forward and backward kernels:
+        ``"warpgroup"`` (JAX's default since 0.11, and its own Hopper attention kernel's) or
+        ``"lane"`` (jax 0.10's default). Both lower on jax 0.10-0.12; see docs/pallas.md,
+        "Supported JAX versions", for what each has shown on a GPU.
+
+    Example:
+      >>> blocks = MosaicBlockSizes(block_q=128, lowering="lane")
     """
 
     block_q: int = 64
     block_kv: int = 64
     max_concurrent_steps: int = 2
+    lowering: str = "warpgroup"
 
     def __post_init__(self):
         if self.block_q % 64 or self.block_q <= 0:
@@ -129,6 +137,13 @@ class MosaicBlockSizes:
             raise ValueError(f"block_kv={self.block_kv} must be a positive multiple of 64")
         if self.max_concurrent_steps < 2:
             raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 2")
+        if self.lowering not in LOWERINGS:
+            raise ValueError(f"lowering={self.lowering!r}: use one of {sorted(LOWERINGS)}")
+
+    @property
+    def compiler_params(self) -> plgpu.CompilerParams:
+        """The kernels' Mosaic GPU compiler parameters."""
+        return plgpu.CompilerParams(approx_math=True, lowering_semantics=LOWERINGS[self.lowering])
 
 
 def unsupported(q, k, v, mask, blocks: MosaicBlockSizes, *, causal: bool = False) -> str | None:
@@ -323,18 +338,17 @@ def _check_rows(c, chk: _RowCheck, scale, *, config: ABFTConfig, branch: bool):
     """
     shape = c.shape
     row_sum = jnp.sum(c * scale, axis=1)
-    # `not <=` so that NaN deviations are flagged too.
-    bad = ~(jnp.abs(row_sum - chk.expected) <= chk.threshold)
-    bad_f = jnp.where(bad, 1.0, 0.0)
+    # 0 only where `<=` holds, so that NaN deviations are flagged too.
+    bad_f = jnp.where(jnp.abs(row_sum - chk.expected) <= chk.threshold, 0.0, 1.0)
 
     def on_fault(c, bad_f):
         flagged = bad_f > 0
-        upstream = flagged & ~(finite(chk.expected) & finite(chk.weighted))
+        upstream = flagged & (nonfinite(chk.expected) | nonfinite(chk.weighted))
         if not config.correct:
             return c, bad_f, jnp.where(upstream, float(NONFINITE_INPUT), bad_f)
         weight = (_iota(shape, 1) + 1).astype(jnp.float32)
         in_flagged = _rows(flagged, shape)
-        extreme = (~finite(c) | (jnp.abs(c) >= config.near_inf)) & in_flagged
+        extreme = (nonfinite(c) | (jnp.abs(c) >= config.near_inf)) & in_flagged
         n_extreme = jnp.sum(jnp.where(extreme, 1.0, 0.0), axis=1)
         weighted_sum = jnp.sum(c * weight * scale, axis=1)
         # One wrong element at column j: its error shows (j + 1) times in the weighted sum.
@@ -349,7 +363,7 @@ def _check_rows(c, chk: _RowCheck, scale, *, config: ABFTConfig, branch: bool):
         agrees = jnp.abs(rest_weighted + located_weight * value - chk.weighted) <= (
             chk.weighted_threshold
         )
-        repaired = flagged & (n_located == 1) & agrees & ~upstream
+        repaired = flagged & (n_located == 1) & agrees & finite(chk.expected) & finite(chk.weighted)
         fix = located & _rows(repaired, shape)
         c = jnp.where(fix, _rows(value / scale, shape), c)
         uncorrected = jnp.where(upstream, float(NONFINITE_INPUT), jnp.where(repaired, 0.0, bad_f))
@@ -471,7 +485,7 @@ def forward(
         near_inf.
       tables: fault tables of the sites in :data:`SITES` (coordinates batch, head, row, col;
         ``context`` faults go into the first tile's partial product).
-      blocks: tiles.
+      blocks: tiles, and the lowering semantics.
       mask: optional ``[Bm, Hm, Tq, Tk]`` (``Bm`` 1 or B, ``Hm`` 1 or H), nonzero attends;
         masked scores become :data:`MASK_VALUE` after the ``scores`` check.
 
@@ -779,7 +793,7 @@ def forward(
         grid_names=("heads", "q_seq", "batch"),
         num_threads=3,
         thread_name="wg",
-        compiler_params=_COMPILER_PARAMS,
+        compiler_params=blocks.compiler_params,
         kernel_name="checked_flash_attention_fwd_mgpu",
     )(q, k, v, kchk, kscal, vvec, qmax, *mask_ops, *table_ops)
     return out, lse, flags
@@ -800,14 +814,14 @@ def _check_softmax(p, l_cur, s2, m_next, block_kv, u32, config: ABFTConfig, *, b
     upper = 1.0 + config.safety * 2 * u32 * (jnp.abs(m_next) + 1.0)
     inside = (p >= 0) & (p <= _rows(upper, p.shape))
     outside = jnp.sum(jnp.where(inside, 0.0, 1.0), axis=1)
-    bad = ~(jnp.abs(jnp.sum(p, axis=1) - l_cur) <= tol) | (outside > 0)
-    bad_f = jnp.where(bad, 1.0, 0.0)
+    sum_holds = jnp.abs(jnp.sum(p, axis=1) - l_cur) <= tol  # false for NaN too
+    bad_f = jnp.where(sum_holds & (outside == 0), 0.0, 1.0)
 
     def refresh(p, l_cur, bad_f):
         flagged = bad_f > 0
         fresh = jnp.exp2(s2 - _rows(m_next, s2.shape))
         fresh_sum = jnp.sum(fresh, axis=1)
-        upstream = flagged & ~finite(fresh_sum)
+        upstream = flagged & nonfinite(fresh_sum)
         if not config.correct:
             # As the XLA path's detect-only softmax check, which does not recompute rows.
             return p, l_cur, bad_f, bad_f
@@ -950,8 +964,7 @@ def backward(q, k, v, out, lse, do, *, causal, sm_scale, config, tables, blocks,
     bsz, tq, heads, d = q.shape
     tk = k.shape[1]
     dtype = q.dtype
-    bq = bk = 64
-    del blocks  # one warpgroup per block: 64-row tiles
+    bq = bk = 64  # one warpgroup per block: 64-row tiles (blocks sets the lowering only)
     nq, nk = tq // bq, tk // bk
     delta = jnp.einsum(
         "bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32), precision="highest"
@@ -1064,7 +1077,7 @@ def backward(q, k, v, out, lse, do, *, causal, sm_scale, config, tables, blocks,
             ],
             grid=(heads, length // block, bsz),
             grid_names=("heads", grid_name, "batch"),
-            compiler_params=_COMPILER_PARAMS,
+            compiler_params=blocks.compiler_params,
             kernel_name=name,
         )(*operands, *table_ops(sites))
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from sdcguard.protection import pallas
-from sdcguard.protection.pallas import _availability, flash as fa
+from sdcguard.protection.pallas import _availability, flash as fa, flash_mgpu
 
 from tests.protection.pallas.test_flash_mgpu import _mosaic_qkv
 from tests.protection.pallas.test_flash_triton import SMALL, _qkv
@@ -45,6 +45,10 @@ def test_kernel_choice_and_what_the_mosaic_kernel_refuses():
         fa.flash_attention(*_mosaic_qkv(jnp.bfloat16, tq=96), kernel="mosaic")
     with pytest.raises(ValueError, match="kernel='cudnn'"):
         fa.flash_attention(q, k, v, kernel="cudnn")
+    with pytest.raises(ValueError, match=r"mosaic_lowering='thread'.*'lane', 'warpgroup'"):
+        fa.flash_attention(q, k, v, kernel="mosaic", mosaic_lowering="thread")
+    with pytest.raises(ValueError, match=r"lowering='Lane': use one of \['lane', 'warpgroup'\]"):
+        flash_mgpu.MosaicBlockSizes(lowering="Lane")
 
 
 @pytest.mark.lowering

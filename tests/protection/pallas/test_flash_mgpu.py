@@ -67,6 +67,18 @@ def test_mosaic_forward_and_gradients_equal_reference():
         _close_mosaic(g, r, dtype)
 
 
+def test_nonfinite_is_the_complement_of_finite():
+    """The kernels' ``nonfinite`` (comparisons only: Warpgroup lowering cannot negate a
+    boolean) is ``~isfinite`` for every class of value, in each kernel dtype and float32."""
+    from sdcguard.protection.pallas._tiles import finite, nonfinite
+
+    values = [0.0, -0.0, 1.0, -3.5, 6e4, 1e-40, np.inf, -np.inf, np.nan, -np.nan]
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        x = jnp.asarray(values, jnp.float32).astype(dtype)
+        np.testing.assert_array_equal(nonfinite(x), ~jnp.isfinite(x))
+        np.testing.assert_array_equal(finite(x), jnp.isfinite(x))
+
+
 def test_mosaic_blocks_with_fewer_key_tiles_than_slots():
     """Causal with 128-key tiles and 64-row warpgroups: the first block of queries (128 rows)
     needs one key tile where the ring has two slots, so the memory warpgroup loads only that
@@ -280,17 +292,21 @@ def test_mosaic_refuses_causal_under_the_cuda_runtimes_ptxas_miscompiles(monkeyp
 
 
 @pytest.mark.lowering
+@pytest.mark.parametrize("lowering", sorted(flash_mgpu.LOWERINGS))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_mosaic_kernel_lowers_for_sm90a(dtype):
+def test_mosaic_kernel_lowers_for_sm90a(dtype, lowering):
     """Forward and backward (Mosaic GPU) lowered for CUDA from this CPU, as on an H100:
-    B 2, T 1024, H 4, D 128, causal, with a fault plan (its injection code lowers too)."""
+    B 2, T 1024, H 4, D 128, causal, with a fault plan (its injection code lowers too), under
+    each of Mosaic GPU's lowering semantics. Warpgroup's refuses a select on a scalar
+    predicate and a boolean ``not`` (it goes through an integer to a one-bit register)."""
     q, k, v = (jax.ShapeDtypeStruct((2, 1024, 4, 128), dtype) for _ in range(3))
     plan = inject.FaultPlan.from_faults([inject.Fault(site="attn:scores", kind="nan", index=3)])
 
     def loss(q, k, v, sink, plan):
         out, _ = fa.flash_attention(
-            q, k, v, causal=True, plan=plan, sink=sink, interpret=False, kernel="mosaic"
-        )
+            q, k, v, causal=True, plan=plan, sink=sink, interpret=False, kernel="mosaic",
+            mosaic_lowering=lowering,
+        )  # fmt: skip
         return jnp.sum(out.astype(jnp.float32))
 
     args = (q, k, v, fa.zero_core_sink(), plan)
