@@ -7,6 +7,7 @@ is traced (the loss's shape and dtype), so a mistake never costs a step.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -31,11 +32,43 @@ def check_optimizer(optimizer) -> None:
     )
 
 
-def check_loss_fn(loss_fn) -> None:
+def check_loss_fn(loss_fn, with_rng: bool = False) -> None:
+    """Raises TypeError unless ``loss_fn`` can be called as the step calls it:
+    ``loss_fn(params, batch)``, or ``loss_fn(params, batch, rng)`` with ``with_rng``."""
     if not callable(loss_fn):
         raise TypeError(
             "protected_step: loss_fn must be a function loss_fn(params, batch) -> scalar loss "
             f"(or (loss, aux) with has_aux=True); got {type(loss_fn).__name__}"
+        )
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the trace will say
+        return
+    name = getattr(loss_fn, "__name__", "loss_fn")
+
+    def takes(n: int) -> bool:
+        try:
+            signature.bind(*range(n))
+        except TypeError:
+            return False
+        return True
+
+    if with_rng and not takes(3):
+        raise TypeError(
+            f"protected_step: with with_rng=True the step calls {name}(params, batch, rng), but "
+            f"{name}{signature} does not take three arguments; add the rng argument, or drop "
+            "with_rng"
+        )
+    if not with_rng and not takes(2):
+        hint = (
+            "; for a key per step (dropout), pass with_rng=True and the step calls "
+            f"{name}(params, batch, rng)"
+            if takes(3)
+            else ""
+        )
+        raise TypeError(
+            f"protected_step: the step calls {name}(params, batch), but {name}{signature} does "
+            f"not take two arguments{hint}"
         )
 
 

@@ -75,7 +75,7 @@ class ProtectedStep:
     ``shard_map`` or scan; calling the object runs the compiled one the schedule picks.
 
     Attributes:
-      loss_fn, optimizer, abft, guard, has_aux, every, seed: as given to
+      loss_fn, optimizer, abft, guard, has_aux, every, seed, with_rng: as given to
         :func:`protected_step`.
       tx: the guarded optimizer, ``refuse_corrupted(optimizer, config=guard)``.
       checked_program, plain_program: ``jax.jit`` of ``step`` and ``plain_step`` (what calling
@@ -89,6 +89,7 @@ class ProtectedStep:
     has_aux: bool
     every: int
     seed: int
+    with_rng: bool = False
     tx: optax.GradientTransformationExtraArgs = dataclasses.field(init=False)
     checked_program: Callable = dataclasses.field(init=False)
     plain_program: Callable = dataclasses.field(init=False)
@@ -106,7 +107,8 @@ class ProtectedStep:
         Args:
           params: the parameters to train (floating-point arrays; fp32 with bf16/fp16 compute
             is the usual mixed precision).
-          rng: a PRNG key carried in the state (default ``jax.random.key(seed)``); the step
+          rng: a PRNG key carried in the state (default ``jax.random.key(seed)``). With
+            ``with_rng``, each step draws its key from it (:meth:`rng_at`); otherwise the step
             does not use it.
 
         Raises:
@@ -116,6 +118,12 @@ class ProtectedStep:
         inputs.check_params(params, self.optimizer)
         rng = jax.random.key(self.seed) if rng is None else rng
         return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), rng)
+
+    def rng_at(self, state: TrainState) -> jax.Array:
+        """The key ``loss_fn`` gets at ``state``'s step with ``with_rng``:
+        ``fold_in(state.rng, state.step)``, fresh on every step and the same whenever that step
+        is computed again (checked or not, after a rollback, in a replay)."""
+        return jax.random.fold_in(state.rng, state.step)
 
     def checks_at(self, step: int) -> bool:
         """Whether calling the object at ``step`` runs the checked program (host ints only)."""
@@ -164,17 +172,19 @@ class ProtectedStep:
             return self._last[1]
         return int(state.step)
 
-    def _loss(self, params, batch):
-        loss, aux = inputs.split_loss(self.loss_fn(params, batch), self.has_aux, self.loss_fn)
+    def _loss(self, params, batch, rng):
+        out = self.loss_fn(params, batch, rng) if self.with_rng else self.loss_fn(params, batch)
+        loss, aux = inputs.split_loss(out, self.has_aux, self.loss_fn)
         return loss.astype(jnp.float32), aux
 
     def _run(self, state, batch, plan, abft: ABFTConfig | None):
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        rng = self.rng_at(state) if self.with_rng else None
         if abft is None:
-            ((loss, aux), grads), report = grad_fn(state.params, batch), {}
+            ((loss, aux), grads), report = grad_fn(state.params, batch, rng), {}
         else:
             with faults(None if plan is None else plan.at_step(state.step)):
-                ((loss, aux), grads), report = checked(grad_fn, abft)(state.params, batch)
+                ((loss, aux), grads), report = checked(grad_fn, abft)(state.params, batch, rng)
         counts = total(report)
         new_state = state.apply_gradients(
             self.tx, grads, loss=loss, abft_uncorrectable=unsafe_checks(counts)
@@ -201,6 +211,7 @@ def protected_step(
     has_aux: bool = False,
     every: int = 1,
     seed: int = 0,
+    with_rng: bool = False,
 ) -> ProtectedStep:
     """A protected training step for ``loss_fn`` and ``optimizer``.
 
@@ -217,12 +228,16 @@ def protected_step(
       every: check the GEMMs on one step in each window of ``every`` steps, at a random
         position drawn from ``seed`` (1: every step); the guard runs on every step.
       seed: the sampling schedule's seed, and the default ``rng`` of :meth:`ProtectedStep.init`.
+      with_rng: call ``loss_fn(params, batch, rng)`` with a PRNG key for this step (dropout):
+        ``fold_in(state.rng, state.step)`` (:meth:`ProtectedStep.rng_at`), fresh on every step,
+        the same whenever a step is computed again.
 
     Returns:
       A :class:`ProtectedStep`: ``init(params)``, then ``state, out = protected(state, batch)``.
 
     Raises:
-      TypeError: ``optimizer`` is not an Optax transformation, or ``loss_fn`` is not callable.
+      TypeError: ``optimizer`` is not an Optax transformation, or ``loss_fn`` is not callable
+        or does not take the arguments the step passes (two, or three with ``with_rng``).
       ValueError: ``every`` is not an int >= 1, or ``abft`` sets a field only the Flax drop-in
         layers read.
 
@@ -232,9 +247,9 @@ def protected_step(
       >>> for batch in data:
       ...     state, out = protected(state, batch)
     """
-    inputs.check_loss_fn(loss_fn)
+    inputs.check_loss_fn(loss_fn, with_rng)
     inputs.check_optimizer(optimizer)
     inputs.check_schedule(every, seed)
     abft = (ABFTConfig() if abft is None else abft).validate_for_checked()
     guard = GuardConfig() if guard is None else guard
-    return ProtectedStep(loss_fn, optimizer, abft, guard, has_aux, every, seed)
+    return ProtectedStep(loss_fn, optimizer, abft, guard, has_aux, every, seed, with_rng)

@@ -178,3 +178,72 @@ def test_a_wrong_loss_is_named_before_step_0_runs(loss_fn, has_aux, error, match
     state = protected.init({"w": jnp.ones(3)})
     with pytest.raises(error, match=match):
         protected(state, jnp.ones((4, 3)))
+
+
+class DropoutMLP(nn.Module):
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, *, rng):
+        x = nn.relu(nn.Dense(HIDDEN, dtype=self.dtype, name="fc1")(x))
+        x = nn.Dropout(0.5, deterministic=False)(x, rng=rng)
+        return nn.Dense(4, dtype=self.dtype, name="fc2")(x)
+
+
+def dropout_setup(dtype=jnp.float32, **kwargs):
+    model = DropoutMLP(dtype)
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    y = jax.random.normal(jax.random.key(2), (8, 4))
+    params = model.init(jax.random.key(0), x, rng=jax.random.key(9))["params"]
+
+    def loss_fn(p, batch, rng):
+        x, y = batch
+        out = model.apply({"params": p}, x, rng=rng).astype(jnp.float32)
+        return jnp.mean((out - y) ** 2), jax.random.key_data(rng)
+
+    protected = protected_step(loss_fn, optax.adam(1e-2), has_aux=True, with_rng=True, **kwargs)
+    return protected, protected.init(params), (x, y)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_with_rng_each_step_draws_its_own_key_and_a_fault_is_still_corrected(dtype):
+    """Dropout through ``with_rng``: step ``n`` gets ``fold_in(rng, n)``, a new key each step,
+    the same in the checked and the plain program; an INF at a GEMM of that step is corrected
+    to the clean step's loss and parameters (the same dropout mask)."""
+    protected, state, batch = dropout_setup(dtype)
+    keys = []
+    for _ in range(3):
+        expected = jax.random.key_data(protected.rng_at(state))
+        new_state, out = protected(state, batch)
+        assert np.array_equal(out.aux, expected)
+        keys.append(np.asarray(out.aux))
+        _, plain = jax.jit(protected.plain_step)(state, batch)
+        assert np.array_equal(plain.aux, expected)
+        assert_close(plain.loss, out.loss, dtype)
+        state = new_state
+    assert len({k.tobytes() for k in keys}) == 3
+
+    clean_state, clean = protected(state, batch, plan())
+    inf = plan(Fault(site="fc1:dot_general", kind="inf", index=5))
+    fixed_state, fixed = protected(state, batch, inf)
+    assert fixed.report["fc1:dot_general"].tolist() == [1, 1, 0, 0]
+    assert fixed.reasons == ()
+    assert_close(fixed.loss, clean.loss, dtype)
+    fixed_leaves = jax.tree.leaves(fixed_state.params)
+    for a, b in zip(fixed_leaves, jax.tree.leaves(clean_state.params), strict=True):
+        assert_close(a, b, dtype)
+
+
+@pytest.mark.parametrize(
+    "loss_fn, with_rng, match",
+    [
+        (lambda params, batch: 0.0, True, r"calls <lambda>\(params, batch, rng\).*drop with_rng"),
+        (lambda params, batch, rng: 0.0, False, r"two arguments; .*pass with_rng=True"),
+        (lambda params: 0.0, False, r"not take two arguments$"),
+    ],
+)
+def test_a_loss_that_does_not_take_the_steps_arguments_is_refused_at_construction(
+    loss_fn, with_rng, match
+):
+    with pytest.raises(TypeError, match=match):
+        protected_step(loss_fn, optax.sgd(0.1), with_rng=with_rng)
