@@ -94,18 +94,20 @@ class ReplayTask:
         }
 
     def abstract_params(self):
-        """The parameter tree's shapes and dtypes (``jax.ShapeDtypeStruct``), computing nothing."""
-        return jax.eval_shape(self._init_from_seed)
+        """The parameter tree's shapes and dtypes (``jax.ShapeDtypeStruct``), initialising no
+        parameters (the first batch is made, outside the trace: ``batches`` may compute it with
+        JAX)."""
+        return jax.eval_shape(self._init_from_seed, self.batch(0))
 
     def init_params(self):
         """Initial parameters: restored from ``checkpoint`` or initialised from ``seed``."""
         abstract = self.abstract_params()
         if self.checkpoint is None:
-            return self._init_from_seed()
+            return self._init_from_seed(self.batch(0))
         return restore_params(self.checkpoint, abstract)
 
-    def _init_from_seed(self):
-        args = self.model_inputs(self.batch(0))
+    def _init_from_seed(self, first_batch):
+        args = self.model_inputs(first_batch)
         rngs = {"params": jax.random.key(self.seed), **self.rngs(0)}
         return self.model.init(rngs, *args, **self.apply_kwargs)["params"]
 

@@ -91,3 +91,28 @@ def _fields(task: ReplayTask) -> dict:
     import dataclasses
 
     return {f.name: getattr(task, f.name) for f in dataclasses.fields(task)}
+
+
+def jax_batches() -> ReplayTask:
+    """``tiny`` with its batches made by ``jax.random`` (a user's usual data pipeline), and
+    dropout keyed per step."""
+
+    def batch(step: int):
+        return jax.random.normal(jax.random.fold_in(jax.random.key(7), step), (4, 5))
+
+    class DropoutMLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = jnp.tanh(nn.Dense(8, name="a")(x))
+            return nn.Dense(1, name="b")(nn.Dropout(0.25, deterministic=False)(h))
+
+    return ReplayTask(
+        name="jax-batches",
+        model=DropoutMLP(),
+        batches=batch,
+        model_inputs=lambda b: (b[:, :4],),
+        loss=lambda y, b: jnp.mean((y[:, 0] - b[:, 4]) ** 2),
+        optimizer=optax.sgd(0.1),
+        rng_collections=("dropout",),
+        steps=2,
+    )

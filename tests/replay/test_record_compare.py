@@ -336,6 +336,26 @@ def test_nnx_task_replays_and_detects(tmp_path):
     assert c.trajectory["grad_noise_to_signal_synced"][1] == 0  # the fault was at step 0 only
 
 
+def test_a_task_whose_batches_are_made_with_jax_replays(tmp_path):
+    """``batches`` computing with ``jax.random``: the parameters' shapes are found without
+    tracing the data pipeline (it failed with a TracerArrayConversionError, as an internal
+    error of the CLI), the two runs agree, and a fault is found."""
+    from tests.helpers.replay_tasks import jax_batches
+
+    abstract = jax_batches().abstract_params()
+    assert abstract["a"]["kernel"].shape == (4, 8)
+    opts = RecordOptions(task="tests.helpers.replay_tasks:jax_batches")
+    assert compare_nodes(CompareOptions(record=opts, workdir=str(tmp_path))).identical
+    c = compare_nodes(
+        CompareOptions(
+            record=opts,
+            inject_b=("site=a:output,kind=scale,value=2,index=1,step=0",),
+            workdir=str(tmp_path),
+        )
+    )
+    assert (c.first_divergence.level, c.first_divergence.module) == ("submodule", "a")
+
+
 def test_gemm_sites_of_any_model_are_listed_and_injected(tmp_path, capsys):
     """``ReplayTask(gemm_sites=True)``: every GEMM (forward and backward) is a site, named as
     sdcguard.checked names it; a fault at a backward GEMM is blamed on its module."""
