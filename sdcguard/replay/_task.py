@@ -9,6 +9,7 @@ The default, :func:`reference_task`, trains the tiny reference GPT on byte batch
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
 import re
@@ -35,7 +36,9 @@ class ReplayTask:
     Attributes:
       model: a Flax linen module. Its submodules are the units of the lock-step comparison.
         An NNX model runs wrapped as ``flax.nnx.bridge.to_linen(ModelClass, ...)``: every
-        level works, and the submodule level sees the wrapper as one submodule.
+        level works, and the submodule level sees the wrapper as one submodule. Collections
+        besides ``params`` (BatchNorm's ``batch_stats``) are held at their initial values
+        (:meth:`model_state`).
       batches: ``batches(step)`` -> the batch of that step (a pytree of arrays), identical on
         every machine (e.g. ``ByteBatches().batch``).
       model_inputs: ``model_inputs(batch)`` -> tuple of positional arguments of ``model.apply``.
@@ -97,19 +100,42 @@ class ReplayTask:
         """The parameter tree's shapes and dtypes (``jax.ShapeDtypeStruct``), initialising no
         parameters (the first batch is made, outside the trace: ``batches`` may compute it with
         JAX)."""
-        return jax.eval_shape(self._init_from_seed, self.batch(0))
+        return jax.eval_shape(self._init_from_seed, self.batch(0))["params"]
 
     def init_params(self):
         """Initial parameters: restored from ``checkpoint`` or initialised from ``seed``."""
         abstract = self.abstract_params()
         if self.checkpoint is None:
-            return self._init_from_seed(self.batch(0))
+            return self._init_from_seed(self.batch(0))["params"]
         return restore_params(self.checkpoint, abstract)
+
+    def model_state(self) -> dict[str, Any]:
+        """The model's collections other than ``params`` (BatchNorm's ``batch_stats``...), as
+        ``model.init`` makes them from ``seed``; ``{}`` for a model without any.
+
+        A replay holds them at these values on every step: each ``apply`` may update them
+        (BatchNorm in training mode), and the updates are not carried to the next step. The
+        loss and gradients of a training-mode BatchNorm do not read them; a model in eval mode
+        reads these initial values, on every node alike.
+        """
+        return self._initial_state
+
+    @functools.cached_property
+    def _initial_state(self) -> dict[str, Any]:
+        # Made once per task (every traced program reads it), concrete even when the first
+        # call is made while a step is being traced.
+        with jax.ensure_compile_time_eval():  # concrete, also when a step is being traced
+            first = self.batch(0)
+            shapes = jax.eval_shape(self._init_from_seed, first)
+            if set(shapes) <= {"params"}:
+                return {}
+            variables = self._init_from_seed(first)
+        return {name: tree for name, tree in variables.items() if name != "params"}
 
     def _init_from_seed(self, first_batch):
         args = self.model_inputs(first_batch)
         rngs = {"params": jax.random.key(self.seed), **self.rngs(0)}
-        return self.model.init(rngs, *args, **self.apply_kwargs)["params"]
+        return dict(self.model.init(rngs, *args, **self.apply_kwargs))
 
 
 def restore_params(directory: str, abstract_params):

@@ -116,3 +116,30 @@ def jax_batches() -> ReplayTask:
         rng_collections=("dropout",),
         steps=2,
     )
+
+
+class BatchNormMLP(nn.Module):
+    train: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.BatchNorm(use_running_average=not self.train, name="bn")(nn.Dense(8, name="a")(x))
+        return nn.Dense(1, name="b")(jnp.tanh(h))
+
+
+def batch_norm(train: bool = True) -> ReplayTask:
+    """``tiny`` with a BatchNorm: a model with a collection besides ``params``."""
+    return ReplayTask(
+        name="batch-norm",
+        model=BatchNormMLP(train=train),
+        batches=_batch,
+        model_inputs=lambda b: (b[:, :4],),
+        loss=lambda y, b: jnp.mean((y[:, 0] - b[:, 4]) ** 2),
+        optimizer=optax.sgd(0.1),
+        steps=2,
+    )
+
+
+def batch_norm_eval() -> ReplayTask:
+    """:func:`batch_norm` reading its running averages (held at their initial values)."""
+    return batch_norm(train=False)

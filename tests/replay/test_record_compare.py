@@ -356,6 +356,29 @@ def test_a_task_whose_batches_are_made_with_jax_replays(tmp_path):
     assert (c.first_divergence.level, c.first_divergence.module) == ("submodule", "a")
 
 
+@pytest.mark.parametrize("task", ["batch_norm", "batch_norm_eval"])
+def test_a_model_with_batch_statistics_replays(task, tmp_path):
+    """A BatchNorm's ``batch_stats`` (a collection besides params) are held at their initial
+    values, in training mode (the batch's statistics) and in eval mode (the running ones):
+    the runs agree, and a fault in the normalised output is found there. Such a model was an
+    internal error (``ScopeCollectionNotFound``)."""
+    from tests.helpers import replay_tasks
+
+    state = getattr(replay_tasks, task)().model_state()
+    assert set(state) == {"batch_stats"}
+    assert state["batch_stats"]["bn"]["var"].tolist() == [1.0] * 8
+    opts = RecordOptions(task=f"tests.helpers.replay_tasks:{task}")
+    assert compare_nodes(CompareOptions(record=opts, workdir=str(tmp_path))).identical
+    c = compare_nodes(
+        CompareOptions(
+            record=opts,
+            inject_b=("site=bn:output,kind=value,value=100,index=1,step=0",),
+            workdir=str(tmp_path),
+        )
+    )
+    assert (c.first_divergence.level, c.first_divergence.module) == ("submodule", "bn")
+
+
 def test_gemm_sites_of_any_model_are_listed_and_injected(tmp_path, capsys):
     """``ReplayTask(gemm_sites=True)``: every GEMM (forward and backward) is a site, named as
     sdcguard.checked names it; a fault at a backward GEMM is blamed on its module."""
