@@ -340,21 +340,11 @@ def _gemm_sites(task: ReplayTask, fn, plan):
 
 
 def _forward(task: ReplayTask, params, batch, step, hooks: Hooks, plan):
-    state = task.model_state()  # before the hooks: they would see its model.init
+    task.model_state()  # made before the hooks, which would see its model.init
     with _hooked(task, hooks, plan), warnings.catch_warnings():
         # Replay compares tensors; the ABFT counts of drop-in layers are not wanted here.
         warnings.filterwarnings("ignore", "a protected attention layer was applied without")
-        out = task.model.apply(
-            {"params": params, **state},
-            *task.model_inputs(batch),
-            rngs=task.rngs(step),
-            # The collections besides params are held fixed (ReplayTask.model_state): what
-            # apply would write to them is dropped.
-            **({"mutable": list(state)} if state else {}),
-            **task.apply_kwargs,
-        )
-        if state:
-            out, _ = out
+        out = task.apply(params, batch, step)
     return task.loss(out, batch)
 
 

@@ -224,7 +224,7 @@ def check_options(
       TaskError: the task cannot be loaded. ValueError: a bad spec, site or pattern.
     """
     task = task or options.load_task()
-    params = task.abstract_params()
+    params = task.check()
     opt_state = jax.eval_shape(task.optimizer.init, params)
     batch = task.batch(0)
     programs = programs_for(task, options)

@@ -24,7 +24,7 @@ def task_sites(task_name: str, match: str | None = None) -> tuple[list[str], lis
       ValueError: ``match`` matches no site and no submodule.
     """
     task = load_task(task_name)
-    params = task.abstract_params()
+    params = task.check()
     programs = Programs(task)
     batch = task.batch(0)
     sizes = programs.site_sizes(params, jax.eval_shape(task.optimizer.init, params), batch)

@@ -18,6 +18,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -82,6 +83,14 @@ class ReplayTask:
             )
         if self.steps < 1:
             raise TaskError(f"ReplayTask.steps must be >= 1, got {self.steps}")
+        if not (
+            callable(getattr(self.optimizer, "init", None))
+            and callable(getattr(self.optimizer, "update", None))
+        ):
+            raise TaskError(
+                "ReplayTask.optimizer must be an Optax transformation, e.g. optax.adam(1e-3); "
+                f"got {type(self.optimizer).__name__}"
+            )
         object.__setattr__(self, "rng_collections", tuple(self.rng_collections))
 
     def batch(self, step: int):
@@ -95,6 +104,55 @@ class ReplayTask:
             c: jax.random.fold_in(jax.random.fold_in(base, i), step)
             for i, c in enumerate(self.rng_collections)
         }
+
+    def model_args(self, batch) -> tuple:
+        """``model_inputs(batch)``: the positional arguments of ``model.apply``."""
+        args = self.model_inputs(batch)
+        if not isinstance(args, tuple | list):
+            got = type(args).__name__
+            if hasattr(args, "shape"):
+                got = f"an array of shape {args.shape}"
+            raise TaskError(
+                "ReplayTask.model_inputs must return a tuple of model.apply's positional "
+                f"arguments, got {got}; for one input write "
+                "model_inputs=lambda batch: (batch['x'],)"
+            )
+        return tuple(args)
+
+    def apply(self, params, batch, step):
+        """The model's output on ``batch`` at ``step``: ``params`` and :meth:`model_state`, the
+        step's pinned keys (:meth:`rngs`) and ``apply_kwargs``."""
+        state = self.model_state()
+        out = self.model.apply(
+            {"params": params, **state},
+            *self.model_args(batch),
+            rngs=self.rngs(step),
+            # The collections besides params are held fixed: what apply writes is dropped.
+            **({"mutable": list(state)} if state else {}),
+            **self.apply_kwargs,
+        )
+        return out[0] if state else out
+
+    def check(self):
+        """The parameters' shapes and dtypes (:meth:`abstract_params`), once the task's
+        functions were found to fit together on the first batch (nothing is computed).
+
+        Raises:
+          TaskError: ``model_inputs`` does not return a tuple, or ``loss`` does not return a
+            floating-point scalar.
+        """
+        params = self.abstract_params()
+        batch = self.batch(0)
+        self.model_state()  # made here, outside the trace below
+        loss = jax.eval_shape(lambda p: self.loss(self.apply(p, batch, 0), batch), params)
+        shape, dtype = getattr(loss, "shape", None), getattr(loss, "dtype", None)
+        if shape != () or not jnp.issubdtype(dtype, jnp.floating):
+            what = f"shape {shape} and dtype {dtype}" if shape is not None else type(loss).__name__
+            raise TaskError(
+                "ReplayTask.loss must return the loss as a floating-point scalar, got "
+                f"{what}; reduce it (jnp.mean) and leave metrics out of it"
+            )
+        return params
 
     def abstract_params(self):
         """The parameter tree's shapes and dtypes (``jax.ShapeDtypeStruct``), initialising no
@@ -133,7 +191,7 @@ class ReplayTask:
         return {name: tree for name, tree in variables.items() if name != "params"}
 
     def _init_from_seed(self, first_batch):
-        args = self.model_inputs(first_batch)
+        args = self.model_args(first_batch)
         rngs = {"params": jax.random.key(self.seed), **self.rngs(0)}
         return dict(self.model.init(rngs, *args, **self.apply_kwargs))
 

@@ -152,6 +152,30 @@ def test_campaign_names_replay_only_sites(tmp_path, capsys):
     assert not out.exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize(
+    "mistake, message",
+    [
+        (
+            "model_inputs",
+            "model_inputs must return a tuple of model.apply's positional "
+            "arguments, got an array of shape (4, 4); for one input write",
+        ),
+        ("loss_with_metrics", "loss must return the loss as a floating-point scalar, got tuple"),
+        ("loss_per_example", "floating-point scalar, got shape (4,) and dtype float32; reduce"),
+        ("optimizer_function", "optimizer must be an Optax transformation, e.g. optax.adam"),
+    ],
+)
+@pytest.mark.parametrize("cmd", ["compare", "sites"])
+def test_a_mistaken_task_is_named_before_anything_runs(mistake, message, cmd, capsys):
+    """A user's task with a common mistake: exit 2 and an error naming the ReplayTask field and
+    what to write, where each was an internal error from deep inside a traced step."""
+    task = f"tests.helpers.replay_tasks:mistaken_{mistake}"
+    assert command.main([cmd, "--task", task]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "internal error" not in err
+
+
 # --- a task that raises --------------------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ misbehave the way users' tasks do: one prints (a lot), one raises on a node.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -143,3 +144,30 @@ def batch_norm(train: bool = True) -> ReplayTask:
 def batch_norm_eval() -> ReplayTask:
     """:func:`batch_norm` reading its running averages (held at their initial values)."""
     return batch_norm(train=False)
+
+
+def mistaken(mistake: str) -> ReplayTask:
+    """``tiny`` with one of the mistakes users make in a task (see the CLI error tests)."""
+    fields = {
+        "model_inputs": {"model_inputs": lambda b: b[:, :4]},  # an array, not a tuple
+        "loss_with_metrics": {"loss": lambda y, b: (jnp.mean(y**2), {"max": jnp.max(y)})},
+        "loss_per_example": {"loss": lambda y, b: (y[:, 0] - b[:, 4]) ** 2},
+        "optimizer_function": {"optimizer": optax.sgd},  # not called
+    }[mistake]
+    return dataclasses.replace(tiny(), **fields)
+
+
+def mistaken_model_inputs() -> ReplayTask:
+    return mistaken("model_inputs")
+
+
+def mistaken_loss_with_metrics() -> ReplayTask:
+    return mistaken("loss_with_metrics")
+
+
+def mistaken_loss_per_example() -> ReplayTask:
+    return mistaken("loss_per_example")
+
+
+def mistaken_optimizer_function() -> ReplayTask:
+    return mistaken("optimizer_function")
