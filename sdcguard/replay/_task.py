@@ -182,7 +182,7 @@ class ReplayTask:
     def _initial_state(self) -> dict[str, Any]:
         # Made once per task (every traced program reads it), concrete even when the first
         # call is made while a step is being traced.
-        with jax.ensure_compile_time_eval():  # concrete, also when a step is being traced
+        with jax.ensure_compile_time_eval():
             first = self.batch(0)
             shapes = jax.eval_shape(self._init_from_seed, first)
             if set(shapes) <= {"params"}:

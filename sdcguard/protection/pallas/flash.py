@@ -84,7 +84,7 @@ KERNELS = ("auto", "mosaic", "triton")
 class _Static(flash_triton.Settings):
     path: str
     kernel: str = "triton"  # "mosaic" (Mosaic GPU) or "triton", forward and backward
-    mosaic_lowering: str = "warpgroup"  # Mosaic GPU's lowering semantics (flash_mgpu.LOWERINGS)
+    mosaic_lowering: str = flash_mgpu.DEFAULT_LOWERING  # Mosaic GPU's (flash_mgpu.LOWERINGS)
 
     def site(self, name: str) -> str:
         return f"{self.path}:{name}"
@@ -109,7 +109,7 @@ def _tables(st: _Static, plan, names, q_shape, k_shape):
     return {n: fault_table(plan, st.site(n), *layouts[n]) for n in names}
 
 
-def _mosaic_blocks(block_sizes: BlockSizes, lowering: str = "warpgroup"):
+def _mosaic_blocks(block_sizes: BlockSizes, lowering: str = flash_mgpu.DEFAULT_LOWERING):
     """The Mosaic GPU kernel's tiles from ``block_sizes`` (None when they do not fit it)."""
     if block_sizes.block_q % 64 or block_sizes.block_k % 64:
         return None
@@ -194,7 +194,7 @@ def flash_attention(
     block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
     interpret: bool | None = None,
     kernel: str = "auto",
-    mosaic_lowering: str = "warpgroup",
+    mosaic_lowering: str = flash_mgpu.DEFAULT_LOWERING,
 ) -> tuple[jax.Array, jax.Array]:
     """Flash attention with ABFT-checked tile products, forward and backward.
 
@@ -309,7 +309,7 @@ def flash_forward(
     block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
     interpret: bool | None = None,
     kernel: str = "auto",
-    mosaic_lowering: str = "warpgroup",
+    mosaic_lowering: str = flash_mgpu.DEFAULT_LOWERING,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The forward kernel alone, returning what its backward needs (no mask, no ``custom_vjp``).
 
@@ -353,7 +353,7 @@ def flash_backward(
     block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
     interpret: bool | None = None,
     kernel: str = "auto",
-    mosaic_lowering: str = "warpgroup",
+    mosaic_lowering: str = flash_mgpu.DEFAULT_LOWERING,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The backward kernels alone: gradients of :func:`flash_forward`'s ``out``.
 

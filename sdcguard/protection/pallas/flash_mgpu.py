@@ -104,6 +104,8 @@ LOWERINGS = {
     "warpgroup": plgpu.LoweringSemantics.Warpgroup,
     "lane": plgpu.LoweringSemantics.Lane,
 }
+# The kernels' default: it lowers on every supported JAX (docs/pallas.md).
+DEFAULT_LOWERING = "warpgroup"
 # The kernel's names for the fault sites it injects into.
 SITES = ("scores", "probs", "context")
 
@@ -128,7 +130,7 @@ class MosaicBlockSizes:
     block_q: int = 64
     block_kv: int = 64
     max_concurrent_steps: int = 2
-    lowering: str = "warpgroup"
+    lowering: str = DEFAULT_LOWERING
 
     def __post_init__(self):
         if self.block_q % 64 or self.block_q <= 0:
