@@ -137,8 +137,8 @@ def apply_in_block(
     global_shape = c.shape if global_shape is None else tuple(global_shape)
     size = math.prod(global_shape)
     armed = note_site(site, size, c.dtype)
-    if plan is None or plan.num_faults == 0 or not armed:
-        return c
+    if plan is None or plan.num_faults == 0 or not armed or c.size == 0:
+        return c  # nothing to corrupt: no plan, or an empty block (a GEMM of no rows)
     sid = site_id(site)
     index = jnp.where(plan.index >= 0, plan.index % size, random_index(plan.seed, sid, size))
     axes = tuple(range(c.ndim)) if axes is None else tuple(axes)

@@ -2,7 +2,7 @@
 
 :class:`Evaluator` runs a traced program equation by equation: each selected ``dot_general``
 through the checked-GEMM routine, each supported cuDNN attention through the ABFT flash kernel
-(:mod:`sdcguard.protection._fused_attention`), and each primitive that holds jaxprs (``pjit``,
+(:mod:`sdcguard.protection._fused_attention`), and each primitive that holds jaxprs (``jit``,
 ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp``, ``shard_map``,
 ``custom_linear_solve``) by a rule that evaluates its body the same way and carries the
 counters out. Under a sharded ``jit`` each GEMM is checked per device, one counter row per
@@ -332,7 +332,7 @@ class Evaluator:
     def _inline(self, eqn, invals, closed):
         return self.run(closed.jaxpr, closed.consts, invals)
 
-    def _pjit(self, eqn, invals):
+    def _jit(self, eqn, invals):
         return self._inline(eqn, invals, eqn.params["jaxpr"])
 
     def _closed_call(self, eqn, invals):

@@ -31,7 +31,7 @@ from sdcguard.protection._walk import (
 # one rule each, and checks the GEMMs of; GEMMs inside any other primitive run unchecked.
 OPENED_PRIMITIVES = frozenset(
     {
-        "pjit",
+        "jit",
         "closed_call",
         "custom_jvp_call",
         "custom_vjp_call",
@@ -102,6 +102,18 @@ def _iterations(jaxpr, times: int | None = 1, out: dict | None = None) -> dict[i
 # JAX's cuDNN attention is not among them: it runs through the ABFT flash kernel
 # (:mod:`sdcguard.protection._fused_attention`), or is listed with the reason it cannot.
 _FUSED_GEMM_PRIMITIVES = ("cudnn", "cublas", "custom_call")
+# Primitives that contract like a GEMM but are not a dot_general, which is what checked
+# verifies: each is listed as a site that runs unchecked, with what it is.
+_UNCHECKED_CONTRACTIONS = {
+    "ragged_dot_general": (
+        "a grouped GEMM (jax.lax.ragged_dot, as in mixture-of-experts layers), which "
+        "sdcguard.checked does not check; a dot_general per group (or a dense einsum over "
+        "the experts) is checked"
+    ),
+    "conv_general_dilated": (
+        "a convolution, which sdcguard.checked does not check (it checks dot_general GEMMs)"
+    ),
+}
 
 
 def _selected(name: str, config: ABFTConfig) -> bool:
@@ -181,31 +193,49 @@ def _not_run_checked(jaxpr) -> dict[int, str]:
     return out
 
 
-def _fused_gemm_sites(jaxpr, outer: str = "") -> list[GemmSite]:
-    """A site for each fused GEMM kernel of the program (cuDNN attention, custom calls)."""
+def _fused_gemm_sites(jaxpr) -> list[GemmSite]:
+    """A site for each GEMM of the program that is not a ``dot_general``: fused kernels (custom
+    calls, cuBLAS and cuDNN kernels other than attention) and other contractions (grouped GEMMs,
+    convolutions). All run unchecked; names repeated are numbered in program order, as
+    dot_generals' are (``fn:conv_general_dilated_1``)."""
+    seen: dict[str, int] = {}
+    unique = []
+    for site in _unchecked_kernels(jaxpr):
+        n = seen.get(site.name, 0)
+        seen[site.name] = n + 1
+        unique.append(dataclasses.replace(site, name=f"{site.name}_{n}") if n else site)
+    return unique
+
+
+def _unchecked_kernels(jaxpr, outer: str = "") -> list[GemmSite]:
     found = []
     for eqn in jaxpr.eqns:
         stack = "/".join(p for p in (outer, str(eqn.source_info.name_stack)) if p)
         prim = eqn.primitive.name
-        if any(k in prim for k in _FUSED_GEMM_PRIMITIVES) and not is_fused_attention(eqn):
+        why = ""
+        if prim in _UNCHECKED_CONTRACTIONS:
+            why = _UNCHECKED_CONTRACTIONS[prim]
+        elif any(k in prim for k in _FUSED_GEMM_PRIMITIVES) and not is_fused_attention(eqn):
+            why = (
+                f"a fused kernel ({prim}) whose GEMMs sdcguard.checked cannot see; use "
+                "the drop-in attention layers or an XLA attention implementation"
+            )
+        if why:
             where = "/".join(p for p in stack.split("/") if p and "(" not in p) or "fn"
             found.append(
                 GemmSite(
                     name=f"{where}:{prim}",
-                    direction="forward",
-                    lhs_shape=(),
-                    rhs_shape=(),
+                    direction="backward" if "transpose(" in stack else "forward",
+                    lhs_shape=tuple(eqn.invars[0].aval.shape) if eqn.invars else (),
+                    rhs_shape=tuple(eqn.invars[1].aval.shape) if len(eqn.invars) > 1 else (),
                     out_shape=tuple(eqn.outvars[0].aval.shape) if eqn.outvars else (),
                     dtype=jnp.dtype(eqn.invars[0].aval.dtype).name if eqn.invars else "",
                     checked=False,
-                    why_unchecked=(
-                        f"a fused kernel ({prim}) whose GEMMs sdcguard.checked cannot see; use "
-                        "the drop-in attention layers or an XLA attention implementation"
-                    ),
+                    why_unchecked=why,
                 )
             )
         for sub in sub_jaxprs(eqn):
-            found += _fused_gemm_sites(sub, stack)
+            found += _unchecked_kernels(sub, stack)
     return found
 
 

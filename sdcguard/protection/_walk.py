@@ -1,7 +1,7 @@
 """The walk over a traced program: every GEMM, and where its operands come from.
 
 :func:`collect_gemms` visits every ``dot_general`` of a jaxpr and of the jaxprs nested in it
-(``pjit``, ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp``,
+(``jit``, ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp``,
 ``shard_map``, ...), in program order, and follows each operand back through the dataflow
 (:class:`Flow`): to the traced arguments it is a moved, cast or sliced copy of, and to the GEMMs
 nearest upstream of it. Naming (:mod:`sdcguard.protection._naming`) and site selection
@@ -188,7 +188,7 @@ def _body_inputs(eqn, body, flows: list[Flow]) -> list[Flow]:
         return flows[n_cond : n_cond + n_body] + carry
     if eqn.primitive.name == "cond":
         return flows[1:]  # the branch index is the first operand
-    if len(body.invars) == len(flows):  # pjit, remat, custom_jvp/vjp, shard_map, scan, ...
+    if len(body.invars) == len(flows):  # jit, remat, custom_jvp/vjp, shard_map, scan, ...
         return flows
     return [_NOWHERE] * len(body.invars)
 

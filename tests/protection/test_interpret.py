@@ -164,6 +164,68 @@ def test_empty_gemms_pass_through_and_say_why(lhs, rhs, dtype):
     jax.tree.map(lambda x, y: assert_close(x, y, dtype), out, jax.jit(step)(a, b, X))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(
+    "lhs, rhs", [((0, 8), (8, 4)), ((2, 0, 8), (8, 4))], ids=["no_rows", "empty_batch"]
+)
+def test_empty_gemms_run_under_a_fault_plan(lhs, rhs, dtype):
+    def fn(a, b, x):
+        return a @ b, x @ x.T
+
+    a, b, x = jnp.ones(lhs, dtype), jnp.ones(rhs, dtype), X.astype(dtype)
+    site = next(s.name for s in list_sites(fn, a, b, x) if s.checked)
+    (empty, out), report = run_with(only(site, index=5), fn, a, b, x)
+    assert empty.shape == lhs[:-1] + rhs[-1:]
+    np.testing.assert_array_equal(report[site], [1, 1, 0, 0])
+    assert_close(out, x @ x.T, dtype)
+
+
+def nested_jit_step(w, x):
+    """A step whose GEMMs are in functions the user jitted: a layer, and the loss."""
+    layer = jax.jit(lambda h, wi: jnp.tanh(h @ wi))
+
+    @jax.jit
+    def loss(w, x):
+        return jnp.sum(layer(layer(x, w[0]), w[1]) ** 2)
+
+    return jax.value_and_grad(loss)(w, x)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_gemms_inside_a_nested_jit_are_checked_and_corrected(dtype):
+    w, x = W.astype(dtype), X.astype(dtype)
+    sites = list_sites(nested_jit_step, w, x)
+    assert len(sites) == 5 and all(s.checked for s in sites), sites  # 2 forward, 3 gradients
+    expected = jax.jit(nested_jit_step)(w, x)
+    for site in [s.name for s in sites]:
+        out, report = run_with(only(site), nested_jit_step, w, x)
+        assert int(report[site][0]) >= 1, site
+        np.testing.assert_array_equal(total(report)[1:], [total(report)[0], 0, 0])
+        jax.tree.map(lambda a, b: assert_close(a, b, dtype), out, expected)
+
+
+def test_grouped_gemms_and_convolutions_are_listed_unchecked_and_refuse_faults():
+    def fn(x, experts, groups, image, kernel):
+        routed = jax.lax.ragged_dot(x, experts, groups)
+        conv = jax.lax.conv_general_dilated(image, kernel, (1, 1), "SAME")
+        return jnp.sum(routed) + jnp.sum(conv) + jnp.sum(x @ x.T)
+
+    args = (
+        X, jnp.ones((2, 8, 3)), jnp.array([1, 3], jnp.int32),
+        jnp.ones((1, 2, 5, 5)), jnp.ones((4, 2, 3, 3)),
+    )  # fmt: skip
+    step = jax.grad(fn, argnums=(0, 1))
+    sites = list_sites(step, *args)
+    unchecked = {s.name: s.why_unchecked for s in sites if not s.checked}
+    assert len(unchecked) == len(set(unchecked)) == 4, unchecked  # ragged dot: 1 + 2 gradients
+    assert sum("grouped GEMM (jax.lax.ragged_dot" in w for w in unchecked.values()) == 3
+    assert sum("a convolution" in w for w in unchecked.values()) == 1
+    assert all(s.checked for s in sites if ":dot_general" in s.name)
+    site = next(n for n, w in unchecked.items() if "grouped GEMM" in w)
+    with pytest.raises(ValueError, match=f"{site}.*has no injection point: a grouped GEMM"):
+        run_with(only(site), step, *args)
+
+
 def test_a_gradient_gemm_of_a_literal_cotangent_is_named_checked_and_corrected():
     # grad of a dot of two vectors: JAX multiplies by the scalar cotangent 1.0 with a
     # dot_general whose operand is a jaxpr literal, not a variable.
