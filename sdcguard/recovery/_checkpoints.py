@@ -153,12 +153,19 @@ class CheckpointTier:
                 )
             ],
         }
-        self._manager.save(
+        saved = self._manager.save(
             int(step),
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), integrity=ocp.args.JsonSave(integrity)
             ),
         )
+        if not saved:
+            # Orbax writes only steps after the newest it holds, and says so by returning False.
+            raise RecoveryError(
+                f"checkpoint step {step} was not written: {self.directory} already holds steps "
+                f"{self.steps()}, and Orbax writes only steps after the newest. Resume from "
+                "the newest (restore(like=state)), or give this run a directory of its own"
+            )
 
     def wait(self) -> None:
         """Blocks until the last save is on disk."""

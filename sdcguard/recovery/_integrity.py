@@ -26,7 +26,15 @@ from sdcguard.guard import tree_fingerprint
 
 
 class RecoveryError(RuntimeError):
-    """Training cannot be brought back to a state that can be trusted."""
+    """Training cannot be brought back to a state that can be trusted.
+
+    Attributes:
+      report: raised by :func:`sdcguard.train_with_recovery`, the run's
+        :class:`~sdcguard.recovery.RunReport` up to the error (its refusals and rollbacks);
+        else None.
+    """
+
+    report = None
 
 
 class SnapshotCorrupted(RecoveryError):

@@ -192,9 +192,26 @@ class RecoveryLoop:
             raise ValueError("RecoveryConfig.checkpoint_every is set but no checkpoints= was given")
 
     def run(self, state, start_index: int = 0) -> RunReport:
-        """Trains on batches ``start_index .. num_batches - 1``; returns the report."""
+        """Trains on batches ``start_index .. num_batches - 1``; returns the report.
+
+        However the run ends, the snapshots and checkpoints it started are completed first
+        (an error still propagates: a :class:`RecoveryError` carries the report so far as
+        ``report``).
+        """
         self.report = RunReport(state=state)
-        cursor = start_index
+        self._check_checkpoint_directory(int(state.step))
+        try:
+            self._train(state, start_index)
+        except BaseException as error:
+            if isinstance(error, RecoveryError):
+                error.report = self.report
+            self._finish_saving(quietly=True)
+            raise
+        self._finish_saving()
+        self.report.skipped = sorted(self.skip)
+        return self.report
+
+    def _train(self, state, cursor: int) -> None:
         self.ring.take(state, step=int(state.step), meta={"data_index": cursor})
         pending: _Dispatched | None = None
         while True:
@@ -203,6 +220,8 @@ class RecoveryLoop:
             if cursor < self.num_batches:
                 step = int(state.step) if pending is None else pending.step + 1
                 dispatched = _Dispatched(self.step_fn(state, self.batch_at(cursor)), step, cursor)
+                if pending is None:
+                    _refuse_donation(state)
                 self.report.steps_run += 1
                 cursor += 1
             if pending is not None:
@@ -215,11 +234,34 @@ class RecoveryLoop:
                 break
             pending = dispatched
             state = self.report.state = dispatched.state
-        self.ring.wait()
-        if self.checkpoints is not None:
-            self.checkpoints.wait()
-        self.report.skipped = sorted(self.skip)
-        return self.report
+
+    def _check_checkpoint_directory(self, start_step: int) -> None:
+        """Refuses, before step 0, a checkpoint directory that holds steps after the start:
+        Orbax would write none of this run's checkpoints, and a rollback would delete them."""
+        if self.checkpoints is None:
+            return
+        later = [s for s in self.checkpoints.steps() if s > start_step]
+        if later:
+            raise ValueError(
+                f"train_with_recovery: the checkpoint directory {self.checkpoints.directory} "
+                f"already holds steps {later}, after this run's start at step {start_step} "
+                "(another run's, or this one's future): Orbax would write none of this run's "
+                "checkpoints, and a rollback would delete those. Resume from the newest "
+                "(CheckpointTier.restore(like=state) and start_index=meta['data_index']), or "
+                "give this run a directory of its own"
+            )
+
+    def _finish_saving(self, quietly: bool = False) -> None:
+        """Waits for the snapshots and checkpoints in flight; ``quietly`` (the run is ending on
+        an error, which must not be masked) logs a failure to finish instead of raising it."""
+        tiers = [self.ring] + ([self.checkpoints] if self.checkpoints is not None else [])
+        for tier in tiers:
+            try:
+                tier.wait()
+            except Exception:
+                if not quietly:
+                    raise
+                log.exception("sdcguard: a save in flight did not finish")
 
     def _next_index(self, i: int) -> int:
         while i < self.num_batches and i in self.skip:
@@ -335,6 +377,18 @@ class RecoveryLoop:
         )
 
 
+def _refuse_donation(state) -> None:
+    """Raises if the step deleted its input state's arrays (``jax.jit(step,
+    donate_argnums=0)``): the loop reads each state again after the next step is dispatched."""
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+        raise ValueError(
+            "train_with_recovery: step_fn donated its input state (jax.jit(..., "
+            "donate_argnums=0)), so the state's arrays were deleted. The loop reads the guard's "
+            "verdict on each state, and snapshots it, after the next step is dispatched: jit "
+            "the step without donating the state (donating the batch is fine)"
+        )
+
+
 def train_with_recovery(
     step_fn: Callable,
     state,
@@ -373,6 +427,10 @@ def train_with_recovery(
       RecoveryError: refusals persist after ``config.max_rollbacks`` rollbacks in a row (the
         state or the hardware cannot be trusted; run ``sdcguard compare`` on this node), or a
         rollback found no intact stored state (the message names each one tried and why).
+        Its ``report`` attribute is the :class:`RunReport` so far; the checkpoints started
+        before it are on disk.
+      ValueError: before the first step, ``checkpoints`` holds steps after ``state.step``
+        (another run's); at the first step, ``step_fn`` donates its input state.
 
     Example:
       >>> report = train_with_recovery(jax.jit(step), state, data.batch, num_batches=1000,

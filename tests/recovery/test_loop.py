@@ -550,6 +550,86 @@ def test_refusals_that_never_stop_end_in_a_clear_error():
         )
 
 
+def test_an_error_ends_the_run_with_its_checkpoints_on_disk_and_the_report(tmp_path):
+    tier = CheckpointTier(tmp_path, keep=5)
+    saved = tier.save
+    # Each save takes long enough that the one at step 12 is still in flight at the error.
+    tier.save = lambda *args, **kwargs: (threading.Event().wait(0.2), saved(*args, **kwargs))
+    with pytest.raises(RecoveryError, match="still refused after 2 rollbacks") as e:
+        train_with_recovery(
+            train_step,
+            initial_state(),
+            lambda i: batch(i, poisoned=i >= 12),
+            num_batches=40,
+            config=RecoveryConfig(
+                snapshot_every=4, checkpoint_every=4, on_rollback="replay", max_rollbacks=2
+            ),
+            checkpoints=tier,
+        )
+    assert sorted(os.listdir(tmp_path)) == ["12", "4", "8"]  # no Orbax temporary directory
+    restored, meta = CheckpointTier(tmp_path).restore(like=initial_state(), step=12)
+    assert meta == {"data_index": 12}
+    assert_trees_equal(restored.params, reference(range(12)).params)
+    report = e.value.report
+    assert [d for _, d, _ in report.refused][:3] == [12, 13, 14] and len(report.rollbacks) == 2
+
+
+def test_an_error_in_the_data_ends_the_run_with_its_checkpoints_on_disk(tmp_path):
+    def batch_at(i):
+        if i == 13:
+            raise OSError("the data server went away")
+        return batch(i)
+
+    with pytest.raises(OSError, match="the data server went away"):
+        train_with_recovery(
+            train_step,
+            initial_state(),
+            batch_at,
+            num_batches=40,
+            config=RecoveryConfig(snapshot_every=None, checkpoint_every=4),
+            checkpoints=CheckpointTier(tmp_path),
+        )
+    assert sorted(os.listdir(tmp_path)) == ["12", "4", "8"]
+
+
+@pytest.mark.parametrize("start", [0, 4], ids=["new_run", "behind_the_newest"])
+def test_a_checkpoint_directory_holding_later_steps_is_refused_before_step_0(tmp_path, start):
+    other = CheckpointTier(tmp_path)
+    other.save(100, initial_state(seed=1), meta={"data_index": 100})
+    other.wait()
+    calls = []
+
+    def step(state, b):
+        calls.append(b)
+        return train_step(state, b)
+
+    state = reference(range(start))
+    with pytest.raises(ValueError, match=r"already holds steps \[100\], after this run's start"):
+        train_with_recovery(
+            step,
+            state,
+            batch,
+            num_batches=10,
+            config=RecoveryConfig(checkpoint_every=2),
+            checkpoints=CheckpointTier(tmp_path),
+            start_index=start,
+        )
+    assert calls == [] and sorted(os.listdir(tmp_path)) == ["100"]  # the other run's, kept
+
+
+def test_a_checkpoint_orbax_does_not_write_is_an_error(tmp_path):
+    tier = CheckpointTier(tmp_path)
+    tier.save(8, initial_state())
+    with pytest.raises(RecoveryError, match=r"checkpoint step 4 was not written.*holds steps"):
+        tier.save(4, initial_state())
+
+
+def test_a_step_that_donates_its_state_is_refused_at_the_first_step():
+    donating = jax.jit(train_step, donate_argnums=0)
+    with pytest.raises(ValueError, match="step_fn donated its input state"):
+        train_with_recovery(donating, jax.tree.map(jnp.copy, initial_state()), batch, num_batches=5)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
