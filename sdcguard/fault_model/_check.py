@@ -30,7 +30,10 @@ class SiteInfo(NamedTuple):
     dtype: str | None = None
 
 
-LIST_SITES = "sdcguard.list_sites(step, *args) lists every GEMM site of the step"
+LIST_SITES = (
+    "sdcguard.list_sites(step, *args) lists every GEMM site of the step "
+    "(of a protected_step: protected.list_sites(state, batch))"
+)
 
 
 def unknown_site_message(name: str, sites: Iterable[str], hint: str = LIST_SITES) -> str:
@@ -61,7 +64,7 @@ def fault_problem(
         if fault.site in not_injected:
             return (
                 f"site {fault.site!r} has no injection point: {not_injected[fault.site]}; "
-                "faults strike floating-point GEMMs of 16 bits or more"
+                "faults strike the floating-point GEMMs (16 bits or more) that the step runs"
             )
         return None if allow_unknown else unknown_site_message(fault.site, sites)
     size, dtype = sites[fault.site]

@@ -114,9 +114,13 @@ def split_loss(out: Any, has_aux: bool, loss_fn: Callable) -> tuple[jax.Array, A
     name = getattr(loss_fn, "__name__", "loss_fn")
     if has_aux:
         if not (isinstance(out, tuple | list) and len(out) == 2):
+            got = (
+                f"an array of shape {jnp.shape(out)}"
+                if isinstance(out, jax.Array)
+                else type(out).__name__
+            )
             raise TypeError(
-                f"protected_step: with has_aux=True, {name} must return (loss, aux); got "
-                f"{type(out).__name__}"
+                f"protected_step: with has_aux=True, {name} must return (loss, aux); got {got}"
             )
         loss, aux = out
     else:
@@ -126,6 +130,11 @@ def split_loss(out: Any, has_aux: bool, loss_fn: Callable) -> tuple[jax.Array, A
                 "function that returns (loss, aux) needs has_aux=True"
             )
         loss, aux = out, None
+    if not isinstance(loss, jax.Array):
+        raise TypeError(
+            f"protected_step: {name} must return the loss as a scalar JAX array computed from "
+            f"params, got {type(loss).__name__}"
+        )
     shape, dtype = jnp.shape(loss), jnp.result_type(loss)
     if shape != ():
         raise ValueError(

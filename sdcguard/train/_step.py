@@ -26,7 +26,7 @@ import optax
 
 from sdcguard.fault_model import FaultPlan, faults
 from sdcguard.guard import GuardConfig, reason_names, refuse_corrupted
-from sdcguard.protection import ABFTConfig, checked, total, unsafe_checks
+from sdcguard.protection import ABFTConfig, GemmSite, checked, list_sites, total, unsafe_checks
 from sdcguard.recovery import TrainState
 from sdcguard.train import _inputs as inputs
 from sdcguard.train._schedule import checks_at
@@ -125,6 +125,17 @@ class ProtectedStep:
         is computed again (checked or not, after a rollback, in a replay)."""
         return jax.random.fold_in(state.rng, state.step)
 
+    def list_sites(self, state: TrainState, batch) -> list[GemmSite]:
+        """The GEMM sites of :meth:`step`, the loss's and its gradients', by the names its
+        report and fault plans use (:func:`sdcguard.list_sites` of ``loss_fn`` alone names a
+        plain function's GEMMs ``fn:...`` and has no gradients).
+
+        Example:
+          >>> names = [s.name for s in protected.list_sites(state, batch) if s.checked]
+        """
+        rng = self.rng_at(state) if self.with_rng else None
+        return list_sites(self._gradients(), state.params, batch, rng, config=self.abft)
+
     def checks_at(self, step: int) -> bool:
         """Whether calling the object at ``step`` runs the checked program (host ints only)."""
         return checks_at(step, every=self.every, seed=self.seed)
@@ -170,6 +181,12 @@ class ProtectedStep:
     def _host_step(self, state) -> int:
         if self._last and state.step is self._last[0]:
             return self._last[1]
+        if isinstance(state.step, jax.core.Tracer):
+            raise TypeError(
+                "a ProtectedStep object picks its compiled program on the host, so it cannot "
+                "run under jax.jit or another transformation; there, call protected.step (or "
+                "protected.plain_step), the pure step function"
+            )
         return int(state.step)
 
     def _loss(self, params, batch, rng):
@@ -177,18 +194,33 @@ class ProtectedStep:
         loss, aux = inputs.split_loss(out, self.has_aux, self.loss_fn)
         return loss.astype(jnp.float32), aux
 
+    def _gradients(self) -> Callable:
+        # The function checked runs: site names start at loss_fn (its own frame is dropped).
+        return jax.value_and_grad(self._loss, has_aux=True)
+
     def _run(self, state, batch, plan, abft: ABFTConfig | None):
-        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
         rng = self.rng_at(state) if self.with_rng else None
         if abft is None:
-            ((loss, aux), grads), report = grad_fn(state.params, batch, rng), {}
+            ((loss, aux), grads), report = self._gradients()(state.params, batch, rng), {}
         else:
             with faults(None if plan is None else plan.at_step(state.step)):
-                ((loss, aux), grads), report = checked(grad_fn, abft)(state.params, batch, rng)
+                ((loss, aux), grads), report = checked(self._gradients(), abft)(
+                    state.params, batch, rng
+                )
         counts = total(report)
+
+        def value_fn(params, loss=None, abft_uncorrectable=None):
+            # The loss at other parameters (optax.lbfgs's line search). The line search passes
+            # it the update's other extra arguments by name: the guard's, unused here.
+            del loss, abft_uncorrectable
+            return self._loss(params, batch, rng)[0]
+
+        # Besides the guard's own arguments, those Optax's optimizers that need the loss take
+        # (optax.contrib.reduce_on_plateau, polyak_sgd, lbfgs); the others ignore them.
         new_state = state.apply_gradients(
-            self.tx, grads, loss=loss, abft_uncorrectable=unsafe_checks(counts)
-        )
+            self.tx, grads, loss=loss, abft_uncorrectable=unsafe_checks(counts),
+            value=loss, grad=grads, value_fn=value_fn,
+        )  # fmt: skip
         opt_state = new_state.opt_state
         out = StepOutput(
             loss=loss,
@@ -220,7 +252,9 @@ def protected_step(
         ``has_aux=True``. Compute in bf16/fp16 inside it if you like; parameters keep their
         dtype, and the loss is reported as float32.
       optimizer: any Optax transformation, not yet wrapped by :func:`sdcguard.refuse_corrupted`
-        (the step wraps it).
+        (the step wraps it). Its ``update`` also receives ``value=loss``, ``grad=grads`` and
+        ``value_fn`` (the loss at given parameters, on this batch), as Optax's optimizers that
+        need the loss expect (``optax.contrib.reduce_on_plateau``, ``polyak_sgd``, ``lbfgs``).
       abft: which GEMMs :func:`sdcguard.checked` checks and how (default ``ABFTConfig()``:
         every one, errors corrected in place).
       guard: the update guard's checks (default ``GuardConfig()``).

@@ -171,6 +171,9 @@ def test_bad_parameters_and_a_guarded_optimizer_are_refused_at_init():
         (lambda p, x: (jnp.sum(x @ p["w"]), 1), False, TypeError, "needs has_aux=True"),
         (lambda p, x: jnp.sum(x @ p["w"]), True, TypeError, r"must return \(loss, aux\)"),
         (lambda p, x: jnp.sum(x @ p["w"] > 0), False, TypeError, "floating-point loss"),
+        (lambda p, x: 1.0, False, TypeError, "loss as a scalar JAX array.*got float"),
+        (lambda p, x: {"loss": jnp.sum(x @ p["w"])}, False, TypeError, "array.*got dict"),
+        (lambda p, x: jnp.sum(x @ p["w"]), True, TypeError, r"got an array of shape \(\)"),
     ],
 )
 def test_a_wrong_loss_is_named_before_step_0_runs(loss_fn, has_aux, error, match):
@@ -247,3 +250,70 @@ def test_a_loss_that_does_not_take_the_steps_arguments_is_refused_at_constructio
 ):
     with pytest.raises(TypeError, match=match):
         protected_step(loss_fn, optax.sgd(0.1), with_rng=with_rng)
+
+
+def test_calling_the_object_under_jit_says_to_call_its_step_function():
+    protected, state, batch = setup()
+    with pytest.raises(TypeError, match=r"cannot run under jax\.jit.*call protected\.step"):
+        jax.jit(protected)(state, batch)
+    new_state, out = jax.jit(protected.step)(state, batch)  # what the message says to do
+    assert int(new_state.step) == 1 and out.reasons == ()
+
+
+def plain_jnp_setup(dtype):
+    """A loss written in jnp alone: no module names its GEMMs."""
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    y = jax.random.normal(jax.random.key(2), (8, 4))
+    params = {
+        "w1": jax.random.normal(jax.random.key(3), (16, HIDDEN)) / 4,
+        "w2": jax.random.normal(jax.random.key(4), (HIDDEN, 4)) / 6,
+    }
+
+    def mse_loss(p, batch):
+        x, y = (v.astype(dtype) for v in batch)
+        h = jnp.tanh(x @ p["w1"].astype(dtype))
+        return jnp.mean(((h @ p["w2"].astype(dtype)).astype(jnp.float32) - y) ** 2)
+
+    protected = protected_step(mse_loss, optax.adam(1e-2))
+    return protected, protected.init(params), (x, y)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_list_sites_names_the_steps_sites_and_a_fault_at_each_is_corrected(dtype):
+    protected, state, batch = plain_jnp_setup(dtype)
+    sites = protected.list_sites(state, batch)
+    names = [s.name for s in sites]
+    assert all(s.checked for s in sites) and len(names) == 5  # 2 forward, 3 gradients
+    clean_state, clean = protected(state, batch)
+    assert sorted(clean.report) == sorted(names)
+    for name in names:
+        fixed_state, fixed = protected(state, batch, plan(Fault(site=name, kind="inf", index=3)))
+        np.testing.assert_array_equal(fixed.report[name], [1, 1, 0, 0])
+        assert fixed.reasons == ()
+        jax.tree.map(lambda a, b: assert_close(a, b, dtype), fixed_state.params, clean_state.params)
+
+
+def test_optimizers_that_need_the_loss_get_it():
+    protected, state, batch = plain_jnp_setup(jnp.float32)
+    # polyak_sgd's step size is the loss over the squared gradient norm: compare by hand.
+    polyak = protected_step(protected.loss_fn, optax.polyak_sgd(max_learning_rate=0.5))
+    polyak_state, out = polyak(polyak.init(state.params), batch)
+    loss, grads = jax.value_and_grad(protected.loss_fn)(state.params, batch)
+    inner = optax.polyak_sgd(max_learning_rate=0.5)
+    updates, _ = inner.update(grads, inner.init(state.params), state.params, value=loss)
+    expected = optax.apply_updates(state.params, updates)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), polyak_state.params, expected
+    )
+    for optimizer in (
+        optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=2)),
+        optax.lbfgs(),  # its line search calls the loss at other parameters
+    ):
+        trained = protected_step(protected.loss_fn, optimizer)
+        s = trained.init(state.params)
+        losses = []
+        for _ in range(3):
+            s, out = trained(s, batch)
+            assert out.reasons == ()
+            losses.append(float(out.loss))
+        assert losses[-1] < losses[0]
