@@ -2,10 +2,14 @@
 
 The programs under test are small and each is compiled about once, so XLA's compile time, most
 of it LLVM optimising the CPU code, is most of the suite's time. The tests turn LLVM's
-optimisation down (about 30% less time on this suite). The results are the same: XLA's own HLO
-passes run as usual, and LLVM does not reorder floating-point arithmetic at any level (no
-fast-math), so every comparison, bit-for-bit ones included, tests what users run. Benchmarks
-in ``scripts/`` keep XLA's defaults. Flags already in ``XLA_FLAGS`` come last and win.
+optimisation down (about 30% less time on this suite). XLA's own HLO passes run as usual and
+LLVM does not reorder floating-point arithmetic at any level (no fast-math), but at its default
+level it contracts a multiply and an add into one fused multiply-add, which rounds once: a
+result can differ in its last bits from what users run. Tests of numerical claims hold at both
+(their tolerances cover an ulp); a claim that two compiled computations round alike (the replay
+of a healthy node against itself, ``tests/replay/test_models.py``) runs its program in a
+subprocess with XLA's defaults. Benchmarks in ``scripts/`` keep XLA's defaults. Flags already
+in ``XLA_FLAGS`` come last and win.
 
 Importing JAX does not start its backend: the settings below still apply.
 """

@@ -13,7 +13,14 @@ faulty node runs exactly the program a healthy one does (same HLO, same fingerpr
   That is Ma et al.'s lock-step: the suspect node computes each submodule on the healthy
   node's inputs (and, backward, on its output cotangents), so an error is seen where it arises
   and is not carried downstream. With ``use_ref`` off, the same program records a node's own
-  values; one program for both modes keeps XLA's fusion, and so the rounding, identical.
+  values: the free run whose values the lock-stepped nodes read.
+
+  The two modes are one program but not one computation. With ``use_ref`` off, XLA fuses a
+  tap's producer into its consumers (a head's input cotangent is multiplied out inside the
+  add that sums two heads' cotangents, and contracted into an FMA there); with it on, the
+  consumers read the reference's materialised values. The roundings differ, so lock-stepped
+  values are only ever compared with lock-stepped values: every node runs the lock-step, a
+  node without a reference against its own free run (see ``sdcguard.replay._record``).
 
 Who produced a tensor (the module to blame when it differs):
   forward ``m:output`` -> m; ``m:input.i`` -> m's caller (its own ops made the argument);
@@ -34,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.core.tracers import current_trace
 
 from sdcguard import fault_model as inject
 from sdcguard.fault_model import module_path_name, site_id, site_pattern
@@ -219,8 +227,11 @@ class Hooks:
         self.arrays = arrays
         self.taps: list[Tap] = []
         self.records: dict[str, jax.Array] = {}
+        # Modules called inside a lifted transform (nn.scan, nn.remat...), seen by no tap.
+        self.inside_transforms: list[str] = []
         self._stack: list[str] = []
         self._calls: dict[str, int] = {}
+        self._trace = None  # the JAX trace of the root module's call
 
     def selected(self, path: str) -> bool:
         if self.mode is None:
@@ -228,6 +239,22 @@ class Hooks:
         if not self.select:
             return True
         return any(selects(p, path) for p in self.select)
+
+    def _inside_transform(self) -> bool:
+        """Whether this call runs inside a Flax lifted transform (``nn.scan``, ``nn.remat``,
+        ``nn.vmap``...) or Flax's own abstract checks, i.e. in another JAX trace than the
+        root module's.
+
+        There a tensor is a value of the transform's body, not of the program: a scan body is
+        traced more than once and runs once per layer, a remat body is traced apart from the
+        program. A tap there would leak the body's tracers out of it and a fault there would
+        name one of several traces, so such calls are run untouched: the transformed module is
+        part of its caller, as any other op is.
+        """
+        trace = current_trace()
+        if self._trace is None:
+            self._trace = trace
+        return trace != self._trace
 
     def _tap(self, name, x, *, module, kind, fwd_producer, bwd_producer):
         diff = jnp.issubdtype(x.dtype, jnp.inexact)
@@ -259,6 +286,11 @@ class Hooks:
         if method == "setup" or (method != "__call__" and method.startswith("_")):
             return next_fun(*args, **kwargs)
         path = module_path_name(context.module.path)
+        if self._inside_transform():
+            # Flax's abstract checks of a module (path ()) are no call of the model's.
+            if context.module.path and path not in self.inside_transforms:
+                self.inside_transforms.append(path)
+            return next_fun(*args, **kwargs)
         call_id = f"{path}:" + ("" if method == "__call__" else f"{method}.")
         count = self._calls.get(call_id, 0)
         self._calls[call_id] = count + 1

@@ -17,6 +17,7 @@ import tempfile
 from sdcguard.replay import _diff as diff, _nodes as nodes
 from sdcguard.replay._processes import Processes, run_node
 from sdcguard.replay._record import RecordOptions, check_options, open_trace
+from sdcguard.replay._task import TaskError
 from sdcguard.replay._trace import clean_stale, private_tmpdir
 
 WORKDIR_PREFIX = "sdcguard-replay"
@@ -58,7 +59,8 @@ class CompareOptions:
         """Record options of A and B: their own faults, the union of both armed."""
         a = dataclasses.replace(self.record, inject=tuple(self.inject_a), armed=None)
         b = dataclasses.replace(self.record, inject=tuple(self.inject_b), armed=None)
-        armed = tuple(sorted(set(a.armed_sites()) | set(b.armed_sites()) | set(self.armed)))
+        faults = [*a.faults(flag="--inject-a"), *b.faults(flag="--inject-b")]
+        armed = tuple(sorted({f.site for f in faults} | set(self.armed)))
         return (dataclasses.replace(a, armed=armed), dataclasses.replace(b, armed=armed))
 
     def launch(self) -> nodes.Launch:
@@ -81,9 +83,7 @@ def check(options: CompareOptions) -> tuple[nodes.Node, nodes.Node]:
       NodeError, TaskError, TraceError, ValueError: one line, naming what is wrong.
     """
     node_a, node_b = nodes.check_nodes([options.node_a, options.node_b], options.launch())
-    opts_a, opts_b = options.node_options()
-    for opts in (opts_a, opts_b):
-        opts.faults()  # a malformed spec fails here, with no task loaded
+    opts_a, opts_b = options.node_options()  # a malformed spec fails here, no task loaded
     flags = {"a": "--inject-a", "b": "--inject-b"}
     runs_here = bool({node_a.kind, node_b.kind} & {"local", "device"})
     if node_b.kind == "trace":
@@ -169,6 +169,7 @@ def compare_nodes(options: CompareOptions, *, progress=None, log=None) -> diff.C
             comparison = diff.compare_traces(
                 trace_a, trace_b, allow_mismatch=options.allow_mismatch
             )
+            _check_task_determinism(node_a, node_b, comparison)
             if removed:  # the traces go with the temporary directory
                 for summary, node in ((comparison.a, node_a), (comparison.b, node_b)):
                     if node.kind != "trace":
@@ -176,6 +177,27 @@ def compare_nodes(options: CompareOptions, *, progress=None, log=None) -> diff.C
             return comparison
     finally:
         processes.close()
+
+
+def _check_task_determinism(node_a, node_b, comparison: diff.Comparison) -> None:
+    """Two runs on the same device of this machine that computed different inputs: the task
+    is not deterministic (no hardware is compared), a configuration error.
+
+    Raises:
+      TaskError: naming the inputs that differ and the usual cause.
+    """
+    if str(node_a) != str(node_b) or node_a.kind not in ("local", "device"):
+        return
+    rows = comparison.levels.get("inputs", {}).get("rows", [])
+    differ = [r.name for r in rows if not r.identical]
+    if differ:
+        raise TaskError(
+            f"the task is not deterministic: two runs on the same device here ({node_a}) "
+            f"computed different inputs ({', '.join(differ[:4])}"
+            f"{', ...' if len(differ) > 4 else ''}); make batches(step) and the "
+            "initialisation pure functions of the step and seed (e.g. "
+            "np.random.default_rng(step), not np.random without a seed)"
+        )
 
 
 def _bind(fn, node: str):

@@ -317,8 +317,9 @@ def _input_rows(a: Trace, b: Trace, hashes_a: dict, hashes_b: dict) -> list[Row]
         if va is not None and vb is not None:
             metrics = tensor_metrics(va, vb)
         else:
+            # No numbers to show (None, not nan: nothing was computed wrongly).
             note = "hashes differ; the values are not in both traces"
-            metrics = _metrics(False, -1, (math.nan,) * len(_METRIC_NAMES), note=note)
+            metrics = _metrics(False, -1, (None,) * len(_METRIC_NAMES), note=note)
         metrics["identical"] = False  # the hashes differ (dtype, shape or bytes)
         rows.append(Row("inputs", key, "-", "-", metrics))
     return rows

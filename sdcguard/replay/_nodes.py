@@ -122,6 +122,7 @@ def check_nodes(names: Sequence[str], launch: Launch) -> list[Node]:
                 "give a command on PATH (ssh, srun) or its full path"
             )
         remote_argv(launch.remote_command)
+    _check_devices([n for n in parsed if n.kind == "device"])
     for node in parsed:
         if node.kind == "trace":
             try:
@@ -129,6 +130,26 @@ def check_nodes(names: Sequence[str], launch: Launch) -> list[Node]:
             except TraceError as e:
                 raise NodeError(f"node {node}: {e}") from None
     return parsed
+
+
+def _check_devices(nodes: Sequence[Node]) -> None:
+    """Every ``local:N`` names a device of this machine (NodeError: which does not).
+
+    The node's process would find out only after the nodes before it ran, minutes later.
+    """
+    if not nodes:
+        return
+    import jax
+
+    count = jax.local_device_count()
+    for node in nodes:
+        if int(node.value) >= count:
+            have = f"local:0 to local:{count - 1}" if count > 1 else "local:0 only"
+            raise NodeError(
+                f"node {node}: device {node.value} does not exist here: this machine has "
+                f"{count} {jax.default_backend()} device{'s' if count > 1 else ''} "
+                f"({have})"
+            )
 
 
 def _split(text: str, what: str) -> list[str]:

@@ -2,9 +2,13 @@
 
 What one node records, per level:
 
-* ``submodule``: one forward+backward through the capture program (see
-  :mod:`sdcguard.replay.capture`) at step 0. Given a ``reference`` trace (the healthy node's),
-  the run is lock-stepped to it.
+* ``submodule``: a forward+backward through the capture program (see
+  :mod:`sdcguard.replay._capture`) at step 0, lock-stepped: each tap computed from the
+  reference values of the taps before it. Given a ``reference`` trace (the healthy node's),
+  those are the reference's; without one, the node first runs freely and lock-steps to its own
+  free run. Either way the values lock-stepped nodes read are kept (``sub/ref/``), so a node
+  lock-stepped to this trace reads the same ones, and what is compared (``sub/fwd``,
+  ``sub/bwd``, ``sub/loss``, ``sub/param_grad``) is always computed the lock-step way.
 * ``step`` and ``trajectory``: T free-running steps (loss, gradients, parameters and optimizer
   state before each step, the first update). Given a reference, also T steps each started
   from the reference's parameters and optimizer state (parameter synchronisation).
@@ -28,7 +32,7 @@ import numpy as np
 from sdcguard import fault_model as inject
 from sdcguard.fault_model import match_sites
 from sdcguard.replay import _capture as capture, _determinism as determinism
-from sdcguard.replay._task import DEFAULT_TASK, ReplayTask, load_task
+from sdcguard.replay._task import DEFAULT_TASK, ReplayTask, check_task_name, load_task
 from sdcguard.replay._trace import Trace, TraceError, TraceWriter
 
 LEVELS = ("submodule", "step", "trajectory")
@@ -63,19 +67,42 @@ class RecordOptions:
     device: int = 0
 
     def __post_init__(self):
+        check_task_name(self.task)
         object.__setattr__(self, "levels", tuple(self.levels))
         unknown = [lv for lv in self.levels if lv not in LEVELS]
-        if unknown or not self.levels:
-            raise ValueError(f"unknown level(s) {unknown}; valid levels: {', '.join(LEVELS)}")
+        if not self.levels:
+            raise ValueError(f"--levels: no level given; give a comma list of {', '.join(LEVELS)}")
+        if unknown:
+            raise ValueError(
+                f"--levels: unknown level(s) {', '.join(map(repr, unknown))}; valid levels: "
+                f"{', '.join(LEVELS)}"
+            )
         object.__setattr__(self, "inject", tuple(self.inject))
         if self.sites is not None:
             object.__setattr__(self, "sites", tuple(self.sites))
         if self.armed is not None:
             object.__setattr__(self, "armed", tuple(sorted(set(self.armed))))
 
-    def faults(self, valid_sites: Sequence[str] | None = None) -> list[inject.Fault]:
-        """The parsed fault specs (ValueError names the bad field, lists valid sites)."""
-        return [inject.parse_spec(s, valid_sites=valid_sites) for s in self.inject]
+    def faults(
+        self, valid_sites: Sequence[str] | None = None, *, flag: str = "--inject"
+    ) -> list[inject.Fault]:
+        """The parsed fault specs.
+
+        Args:
+          valid_sites: the sites a spec may name (None: any).
+          flag: the flag that gave the specs (``--inject``, ``--inject-b``), named in errors.
+
+        Raises:
+          ValueError: ``FLAG 'SPEC': what is wrong`` (the bad field, the valid sites).
+        """
+        faults = []
+        for spec in self.inject:
+            try:
+                faults.append(inject.parse_spec(spec, valid_sites=valid_sites))
+            except ValueError as e:
+                message = str(e).removeprefix(f"bad fault spec {spec!r}: ")
+                raise ValueError(f"{flag} {spec!r}: {message}") from None
+        return faults
 
     def armed_sites(self) -> tuple[str, ...]:
         if self.armed is not None:
@@ -116,7 +143,25 @@ def programs_for(task: ReplayTask, options: RecordOptions) -> capture.Programs:
 # --- Checking options against the task, before anything runs ---------------------------------
 
 
-def unknown_site_message(name: str, sites: Sequence[str]) -> str:
+def unknown_site_message(name: str, sites: Sequence[str], transformed: Sequence[str] = ()) -> str:
+    """Why ``name`` is not a site: inside a lifted transform, or unknown (with close names).
+
+    Args:
+      name: the site asked for.
+      sites: every site of the task.
+      transformed: modules called inside a Flax lifted transform
+        (:attr:`~sdcguard.replay._capture.Hooks.inside_transforms`).
+    """
+    module = name.rpartition(":")[0]
+    inside = next((m for m in transformed if module == m or module.startswith(m + "/")), None)
+    if inside is not None:
+        return (
+            f"site {name!r} is in module {inside!r}, which runs inside a Flax lifted "
+            "transform (nn.scan, nn.remat, nn.vmap...): its body is traced apart from the "
+            "program (a scan's more than once, and run once per layer), so replay neither "
+            "taps nor injects there; inject at a site outside it, or at its parameters' "
+            "gradients and updates; `sdcguard sites` lists every site of the task"
+        )
     close = difflib.get_close_matches(name, list(sites), n=3, cutoff=0.6)
     hint = f" (close: {', '.join(close)})" if close else ""
     return f"unknown site {name!r}{hint}; `sdcguard sites` lists every site of the task"
@@ -129,11 +174,14 @@ def check_faults(
     dtypes: dict[str, str],
     *,
     flag: str = "--inject",
+    transformed: Sequence[str] = (),
 ) -> list[inject.Fault]:
     """The parsed fault specs of ``options``, each checked against its site and the run.
 
     Args:
       flag: the flag that gave the specs (``--inject``, ``--inject-b``), named in errors.
+      transformed: modules inside a lifted transform, where no site is (see
+        :func:`unknown_site_message`).
 
     Raises:
       ValueError: one line naming the flag, the spec and what is wrong: an unknown site, an
@@ -145,7 +193,8 @@ def check_faults(
     for spec in options.inject:
         f = inject.parse_spec(spec)
         if f.site not in sizes:
-            raise ValueError(f"{flag} {spec!r}: {unknown_site_message(f.site, sizes)}")
+            message = unknown_site_message(f.site, sizes, transformed)
+            raise ValueError(f"{flag} {spec!r}: {message}")
         n = sizes[f.site]
         if f.index is not None and f.index >= n:
             raise ValueError(
@@ -230,12 +279,13 @@ def check_options(
     programs = programs_for(task, options)
     sizes = programs.site_sizes(params, opt_state, batch)
     dtypes = programs.site_dtypes(params, opt_state, batch)
-    faults = check_faults(options, task, sizes, dtypes, flag=inject_flag)
+    transformed = programs.discover(params, batch).inside_transforms
+    faults = check_faults(options, task, sizes, dtypes, flag=inject_flag, transformed=transformed)
     armed = options.armed_sites()
     for site in armed:
         if site not in sizes:
             source = (armed_by or {}).get(site, "--arm")
-            raise ValueError(f"{source}: {unknown_site_message(site, sizes)}")
+            raise ValueError(f"{source}: {unknown_site_message(site, sizes, transformed)}")
     for f in faults:
         if f.site not in armed:  # compared nodes must compile the same injection sites
             raise ValueError(
@@ -422,20 +472,34 @@ def _compiled(programs, name, fn, args, hlo):
 
 
 def _record_submodule(programs, writer, params, batch, plan, reference, hlo):
+    """Records the lock-stepped capture of step 0 (and the values it was lock-stepped to).
+
+    The free-running and the lock-stepped capture are one compiled program but compute
+    differently (see :mod:`sdcguard.replay._capture`): comparing one node's free run with
+    another's lock-step would blame a healthy node for XLA's fusion. So both nodes' compared
+    values come from the lock-step, fed the same reference values.
+    """
     taps = programs.taps(params, batch)
+    plan0 = plan.at_step(0)
     if reference is not None and "submodule" in reference.manifest["levels"]:
         want = [t.to_json() for t in taps]
         if reference.manifest["taps"] != want:
             raise TraceError("the reference trace captured different submodules (--sites)")
-        fwd = {t.name: reference.get(f"sub/fwd/{t.name}") for t in taps}
-        bwd = {t.name: reference.get(f"sub/bwd/{t.name}") for t in taps if t.differentiable}
-        sinks, fwd, bwd, use_ref = programs.capture_args(params, batch, fwd, bwd)
-    else:
-        sinks, fwd, bwd, use_ref = programs.capture_args(params, batch)
-    args = (params, batch, plan.at_step(0), sinks, fwd, bwd, use_ref)
+        ref_fwd = {t.name: reference.get(f"sub/ref/fwd/{t.name}") for t in taps}
+        ref_bwd = {t.name: reference.get(f"sub/ref/bwd/{t.name}") for t in taps if t.differentiable}
+    else:  # no reference: this node's own free run is what it lock-steps to
+        args = (params, batch, plan0, *programs.capture_args(params, batch))
+        run = _compiled(programs, "capture", programs.capture, args, hlo)
+        _, ref_fwd, ref_bwd, _ = run(*args)
+        del args
+    args = (params, batch, plan0, *programs.capture_args(params, batch, ref_fwd, ref_bwd))
     run = _compiled(programs, "capture", programs.capture, args, hlo)
     loss, fwd_out, bwd_out, param_grads = run(*args)
-    del fwd, bwd, sinks
+    del args
+    for t in taps:
+        writer.add(f"sub/ref/fwd/{t.name}", np.asarray(ref_fwd.pop(t.name)))
+        if t.differentiable:
+            writer.add(f"sub/ref/bwd/{t.name}", np.asarray(ref_bwd.pop(t.name)))
     writer.add("sub/loss", np.asarray(loss))
     for t in taps:
         writer.add(f"sub/fwd/{t.name}", np.asarray(fwd_out.pop(t.name)))

@@ -28,6 +28,8 @@ MAX_ROWS = 25
 
 
 def _fmt(x) -> str:
+    if x is None:  # not measured (an input whose values are not in both traces)
+        return "-"
     if isinstance(x, bool):
         return str(x)
     if isinstance(x, float):
@@ -169,6 +171,8 @@ def describe(row) -> str:
     """One line for a divergent row: level, direction, tensor, module, how much."""
     where = f" in {row.module}" if row.module != "-" else ""
     direction = f"{row.direction} " if row.direction != "-" else ""
+    if row.metrics["mismatch_frequency"] is None:
+        return f"{row.level} level, {direction}{row.name}{where} ({row.metrics['note']})"
     return (
         f"{row.level} level, {direction}{row.name}{where} (mismatch frequency "
         f"{_fmt(row.metrics['mismatch_frequency'])}, ‖Δ‖/‖x‖ "

@@ -13,6 +13,7 @@ import functools
 import importlib
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -91,11 +92,38 @@ class ReplayTask:
                 "ReplayTask.optimizer must be an Optax transformation, e.g. optax.adam(1e-3); "
                 f"got {type(self.optimizer).__name__}"
             )
+        for field, signature, example in _FUNCTIONS:
+            value = getattr(self, field)
+            if not callable(value):
+                raise TaskError(
+                    f"ReplayTask.{field} must be a function {signature}, got "
+                    f"{_describe(value)}; e.g. {field}={example}"
+                )
         object.__setattr__(self, "rng_collections", tuple(self.rng_collections))
 
     def batch(self, step: int):
-        """The batch of ``step`` as numpy arrays (host memory)."""
-        return jax.tree.map(np.asarray, self.batches(step))
+        """The batch of ``step`` as numpy arrays (host memory).
+
+        Raises:
+          TaskError: ``batches`` raised, or its batch holds a leaf that is not an array (a
+            string, a Python list of numbers).
+        """
+        batch = _user_call(f"ReplayTask.batches({step})", self.batches, step)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+            if not isinstance(leaf, np.ndarray | np.generic | jax.Array):
+                where = f"batch{jax.tree_util.keystr(path)}"
+                listed = any(isinstance(k, jax.tree_util.SequenceKey) for k in path)
+                fix = (
+                    "a Python list is a container to JAX, not an array: make it one with np.asarray"
+                    if listed
+                    else "a batch holds arrays only: make it an array (np.asarray), or keep "
+                    "it out of the batch"
+                )
+                raise TaskError(
+                    f"ReplayTask.batches({step}) returned a batch whose {where} is "
+                    f"{_describe(leaf)}, not an array; {fix}"
+                )
+        return jax.tree.map(np.asarray, batch)
 
     def rngs(self, step) -> dict[str, jax.Array]:
         """Pinned PRNG keys of ``step`` (``step`` may be traced)."""
@@ -107,7 +135,7 @@ class ReplayTask:
 
     def model_args(self, batch) -> tuple:
         """``model_inputs(batch)``: the positional arguments of ``model.apply``."""
-        args = self.model_inputs(batch)
+        args = _user_call("ReplayTask.model_inputs", self.model_inputs, batch)
         if not isinstance(args, tuple | list):
             got = type(args).__name__
             if hasattr(args, "shape"):
@@ -144,7 +172,12 @@ class ReplayTask:
         params = self.abstract_params()
         batch = self.batch(0)
         self.model_state()  # made here, outside the trace below
-        loss = jax.eval_shape(lambda p: self.loss(self.apply(p, batch, 0), batch), params)
+
+        def forward(p):
+            out = _user_call("the model's call (model.apply) at step 0", self.apply, p, batch, 0)
+            return _user_call("ReplayTask.loss at step 0", self.loss, out, batch)
+
+        loss = jax.eval_shape(forward, params)
         shape, dtype = getattr(loss, "shape", None), getattr(loss, "dtype", None)
         if shape != () or not jnp.issubdtype(dtype, jnp.floating):
             what = f"shape {shape} and dtype {dtype}" if shape is not None else type(loss).__name__
@@ -158,7 +191,11 @@ class ReplayTask:
         """The parameter tree's shapes and dtypes (``jax.ShapeDtypeStruct``), initialising no
         parameters (the first batch is made, outside the trace: ``batches`` may compute it with
         JAX)."""
-        return jax.eval_shape(self._init_from_seed, self.batch(0))["params"]
+        batch = self.batch(0)
+        init = functools.partial(
+            _user_call, "the model's model.init on batch 0", self._init_from_seed
+        )
+        return jax.eval_shape(init, batch)["params"]
 
     def init_params(self):
         """Initial parameters: restored from ``checkpoint`` or initialised from ``seed``."""
@@ -194,6 +231,49 @@ class ReplayTask:
         args = self.model_args(first_batch)
         rngs = {"params": jax.random.key(self.seed), **self.rngs(0)}
         return dict(self.model.init(rngs, *args, **self.apply_kwargs))
+
+
+# The task's functions: (field, signature, example), named when one is not a function.
+_FUNCTIONS = (
+    (
+        "batches",
+        "of the step, batches(step) -> batch (replay asks for a step's batch on every node, "
+        "and more than once)",
+        "lambda step: my_batches[step]",
+    ),
+    ("model_inputs", "model_inputs(batch) -> tuple", "lambda batch: (batch['x'],)"),
+    ("loss", "loss(outputs, batch) -> scalar", "lambda y, batch: jnp.mean((y - batch['y']) ** 2)"),
+)
+
+
+def _describe(value) -> str:
+    """``a str ('mse')``: a value's type, and the value when it is short."""
+    kind = type(value).__name__
+    article = "an" if kind[:1].lower() in "aeiou" else "a"
+    text = repr(value)
+    return f"{article} {kind} ({text})" if len(text) <= 40 else f"{article} {kind}"
+
+
+def _user_call(what: str, fn, *args):
+    """``fn(*args)``, a function of the user's task; what it raises becomes a TaskError
+    naming ``what``, the exception's type and the first line of its message.
+
+    A Flax error for a PRNG collection the model needs and the task does not give says which
+    ``rng_collections`` to set. TaskErrors (from the task's own checks) pass as they are.
+    """
+    try:
+        return fn(*args)
+    except TaskError:
+        raise
+    except Exception as e:  # the user's code: any failure is the task's, said in one line
+        missing = re.search(r'needs PRNG for "([^"]+)"', str(e))
+        if missing:
+            name = missing.group(1)
+            raise TaskError(
+                f"{what}: the model needs a PRNG key for {name!r} (Flax: {type(e).__name__}); "
+                f"set ReplayTask(rng_collections=({name!r},)): replay pins its key per step"
+            ) from None
+        raise TaskError(f"{what} raised {_one_line(e)}") from None
 
 
 def restore_params(directory: str, abstract_params):
@@ -294,9 +374,11 @@ def load_task(
     Raises:
       TaskError: malformed name, module or function not found, or it returns no ReplayTask.
     """
+    check_task_name(spec)
     if not _TASK_SPEC.match(spec):
         raise TaskError(f"task must be named 'module:function' (e.g. {DEFAULT_TASK}), got {spec!r}")
     module_name, function_name = spec.split(":")
+    _importable_from_cwd()
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -310,6 +392,8 @@ def load_task(
         raise TaskError(f"module {module_name!r} has no function {function_name!r}")
     try:
         task = fn()
+    except TaskError as e:  # the ReplayTask it built refused a field
+        raise TaskError(f"{spec}: {e}") from None
     except Exception as e:  # the user's code: any failure means "no task", said in one line
         raise TaskError(f"the task function {spec} raised {_one_line(e)}") from None
     if not isinstance(task, ReplayTask):
@@ -324,7 +408,35 @@ def load_task(
     return dataclasses.replace(task, **overrides) if overrides else task
 
 
+def _importable_from_cwd() -> None:
+    """Puts the current directory first on ``sys.path``, as ``python -m`` does, so that the
+    ``sdcguard`` console script finds a task module there as ``python -m sdcguard`` does."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+def check_task_name(spec) -> None:
+    """A task is given by name, ``module:function``: every node imports it, even one in
+    another process or on another host, which no Python object can reach.
+
+    Raises:
+      TaskError: ``spec`` is not a string (a ReplayTask, a function), saying what to give.
+    """
+    if isinstance(spec, str):
+        return
+    what = "a ReplayTask object" if isinstance(spec, ReplayTask) else _describe(spec)
+    raise TaskError(
+        f"task must be a 'module:function' string (e.g. {DEFAULT_TASK!r}), got {what}: every "
+        "node imports the task by name, so define a function returning the ReplayTask in an "
+        "importable module and give 'module:function'"
+    )
+
+
 def _one_line(e: BaseException) -> str:
     """``Type: first line of the message`` of an exception."""
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+    if not text:
+        return type(e).__name__
+    first = text[0] if len(text[0]) <= 300 else text[0][:300] + "..."
+    return f"{type(e).__name__}: {first}"

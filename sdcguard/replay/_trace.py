@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 FORMAT = "sdcguard-replay-trace"
-VERSION = 1
+VERSION = 2  # 2: the submodule level keeps the values lock-stepped nodes read (sub/ref/)
 MANIFEST = "manifest.json"
 CHUNK_BYTES = 32 << 20
 CHUNK_NAME = re.compile(r"^arrays-\d{4}\.npz$")

@@ -13,11 +13,13 @@ import subprocess
 import sys
 
 import pytest
+from rich.console import Console
 
 from sdcguard import cli, cli as command
 from sdcguard.cli import _campaign
 from sdcguard.replay import (
     _compare,
+    _diff,
     _processes as processes,
     _report as report,
     _scan,
@@ -89,6 +91,28 @@ def no_node_runs(monkeypatch):
         (["--sites", "a:nope"], "--sites pattern 'a:nope' matches no site"),
         (["--inject-b", "site=a:output,kind=inf,kind=nan"], "gives the field 'kind' twice"),
         (["--timeout", "0"], None),  # argparse refuses it (its own usage message, exit 2)
+        (["--levels", "foo"], "--levels: unknown level(s) 'foo'; valid levels: submodule"),
+        (["--levels", ""], "--levels: no level given; give a comma list of submodule"),
+        (
+            ["--inject-b", "site=a:output"],
+            "--inject-b 'site=a:output': fault spec 'site=a:output' is missing the field 'kind'",
+        ),
+        (
+            ["--inject-b", "site=a:output,kind=zap"],
+            "--inject-b 'site=a:output,kind=zap': unknown fault kind 'zap'",
+        ),
+        (
+            ["--inject-a", "site=a:output,kind=nan,foo=1"],
+            "--inject-a 'site=a:output,kind=nan,foo=1': unknown field 'foo'",
+        ),
+        (
+            ["--inject-b", "site=a:output,kind=nan,index=x"],
+            "--inject-b 'site=a:output,kind=nan,index=x': field 'index' of fault spec must be int",
+        ),
+        (
+            ["--inject-b", "site=a:output,kind=nan,index=-3"],
+            "--inject-b 'site=a:output,kind=nan,index=-3': fault index must be >= 0",
+        ),
     ],
 )
 def test_bad_arguments_refused_before_any_node_runs(argv, message, no_node_runs, capsys):
@@ -163,6 +187,17 @@ def test_campaign_names_replay_only_sites(tmp_path, capsys):
         ("loss_with_metrics", "loss must return the loss as a floating-point scalar, got tuple"),
         ("loss_per_example", "floating-point scalar, got shape (4,) and dtype float32; reduce"),
         ("optimizer_function", "optimizer must be an Optax transformation, e.g. optax.adam"),
+        ("batches_generator", "batches must be a function of the step"),
+        ("batches_list", "batches must be a function of the step, batches(step) -> batch"),
+        ("loss_string", "loss must be a function loss(outputs, batch) -> scalar, got a str"),
+        ("no_rng_collections", "set ReplayTask(rng_collections=('dropout',))"),
+        (
+            "model_raises",
+            "the model's model.init on batch 0 raised ValueError: expected inputs "
+            "[batch, features], got shape (4,)",
+        ),
+        ("batch_python_list", "batch['w'][0] is a float (1.0), not an array; a Python list"),
+        ("batch_string", "batch['shard'] is a str ('shard-0'), not an array"),
     ],
 )
 @pytest.mark.parametrize("cmd", ["compare", "sites"])
@@ -174,6 +209,7 @@ def test_a_mistaken_task_is_named_before_anything_runs(mistake, message, cmd, ca
     err = capsys.readouterr().err
     assert message in err
     assert "internal error" not in err
+    assert len(_one_error_line(err)) < 400, err  # never the task's whole repr
 
 
 # --- a task that raises --------------------------------------------------------------------
@@ -546,6 +582,7 @@ def test_checkpoint_that_is_a_file_is_not_called_missing(tmp_path, no_node_runs,
         ("trace:{tmp}/missing", [], "node trace:{tmp}/missing: trace directory"),
         ("trace:{tmp}", [], "is not a complete trace"),
         ("gpu7", ["--launcher", "no-such-launcher {node}"], "the command 'no-such-launcher' is"),
+        ("local:97", [], "node local:97: device 97 does not exist here: this machine has"),
     ],
 )
 def test_every_node_checked_before_node_a_runs(
@@ -562,6 +599,9 @@ def test_scan_checks_every_node_before_any_runs(tmp_path, no_node_runs, capsys):
     assert command.main([*argv, "--launcher", "ssh {node}"]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert f"node trace:{tmp_path / 'missing'}: trace directory" in line
+    assert command.main(["scan", "--task", TINY, "--nodes", "local,local:0,local:97"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "node local:97: device 97 does not exist here" in line
 
 
 def test_campaign_unknown_site_one_line_with_close_matches(tmp_path, capsys):
@@ -687,3 +727,33 @@ def test_progress_off_a_terminal_is_plain_lines():
         "abft: 0/20 (0%)",
         *(f"abft: {2 * k}/20 ({10 * k}%)" for k in range(1, 11)),  # each tenth, once
     ]
+
+
+UNSEEDED = "tests.helpers.replay_tasks:unseeded"
+
+
+def test_inputs_differing_between_two_runs_here_are_the_tasks_nondeterminism(capsys):
+    # Two runs on the same device of this machine compare no hardware: it is a configuration
+    # error (exit 2), not a finding blaming node B.
+    assert command.main(["compare", "--task", UNSEEDED, "--levels", "step"]) == 2
+    err = capsys.readouterr().err  # after the nodes' progress lines
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert "the task is not deterministic: two runs on the same device here (local)" in line
+    assert "batches/0" in line and "np.random.default_rng(step)" in line
+
+
+def test_inputs_without_values_in_both_traces_have_no_nan_metrics(tmp_path):
+    options = RecordOptions(task=UNSEEDED, levels=("step",))
+    record_trace(options, str(tmp_path / "a"))
+    a = trace.Trace(str(tmp_path / "a"))
+    record_trace(options, str(tmp_path / "b"), reference=a)
+    c = _diff.compare_traces(a, trace.Trace(str(tmp_path / "b")))
+    row = c.first_divergence
+    assert (row.level, row.name) == ("inputs", "batches/0")
+    assert row.metrics["mismatch_frequency"] is None and row.metrics["noise_to_signal"] is None
+    console = Console(record=True, width=200)
+    report.render(c, console)
+    text = console.export_text()
+    assert "nan" not in text
+    assert "batches/0 (hashes differ; the values are not in both traces)" in text

@@ -89,8 +89,6 @@ def raising() -> ReplayTask:
 
 
 def _fields(task: ReplayTask) -> dict:
-    import dataclasses
-
     return {f.name: getattr(task, f.name) for f in dataclasses.fields(task)}
 
 
@@ -146,15 +144,51 @@ def batch_norm_eval() -> ReplayTask:
     return batch_norm(train=False)
 
 
+class StrictMLP(nn.Module):
+    """``TinyMLP`` refusing an input that is not a matrix, as users' models do."""
+
+    @nn.compact
+    def __call__(self, x):
+        if x.ndim != 2:
+            raise ValueError(f"expected inputs [batch, features], got shape {x.shape}")
+        return TinyMLP()(x)
+
+
+def _batches_generator():
+    step = 0
+    while True:
+        yield _batch(step)
+        step += 1
+
+
 def mistaken(mistake: str) -> ReplayTask:
     """``tiny`` with one of the mistakes users make in a task (see the CLI error tests)."""
+    base = tiny()
     fields = {
         "model_inputs": {"model_inputs": lambda b: b[:, :4]},  # an array, not a tuple
         "loss_with_metrics": {"loss": lambda y, b: (jnp.mean(y**2), {"max": jnp.max(y)})},
         "loss_per_example": {"loss": lambda y, b: (y[:, 0] - b[:, 4]) ** 2},
         "optimizer_function": {"optimizer": optax.sgd},  # not called
+        "batches_generator": {"batches": _batches_generator()},
+        "batches_list": {"batches": [_batch(0), _batch(1)]},
+        "loss_string": {"loss": "mse"},
+        "no_rng_collections": {"rng_collections": ()},
+        "model_raises": {"model": StrictMLP(), "model_inputs": lambda b: (b[0, :4],)},
+        "batch_python_list": {
+            "batches": lambda step: {"x": _batch(step), "w": [1.0, 2.0]},
+            "model_inputs": lambda b: (b["x"][:, :4],),
+            "loss": lambda y, b: jnp.mean((y[:, 0] - b["x"][:, 4]) ** 2),
+        },
+        "batch_string": {
+            "batches": lambda step: {"x": _batch(step), "shard": "shard-0"},
+            "model_inputs": lambda b: (b["x"][:, :4],),
+            "loss": lambda y, b: jnp.mean((y[:, 0] - b["x"][:, 4]) ** 2),
+        },
     }[mistake]
-    return dataclasses.replace(tiny(), **fields)
+    if mistake == "no_rng_collections":
+        base = jax_batches()  # dropout
+    fields = {**_fields(base), **fields}
+    return ReplayTask(**fields)
 
 
 def mistaken_model_inputs() -> ReplayTask:
@@ -171,3 +205,126 @@ def mistaken_loss_per_example() -> ReplayTask:
 
 def mistaken_optimizer_function() -> ReplayTask:
     return mistaken("optimizer_function")
+
+
+def mistaken_batches_generator() -> ReplayTask:
+    return mistaken("batches_generator")
+
+
+def mistaken_batches_list() -> ReplayTask:
+    return mistaken("batches_list")
+
+
+def mistaken_loss_string() -> ReplayTask:
+    return mistaken("loss_string")
+
+
+def mistaken_no_rng_collections() -> ReplayTask:
+    return mistaken("no_rng_collections")
+
+
+def mistaken_model_raises() -> ReplayTask:
+    return mistaken("model_raises")
+
+
+def mistaken_batch_python_list() -> ReplayTask:
+    return mistaken("batch_python_list")
+
+
+def mistaken_batch_string() -> ReplayTask:
+    return mistaken("batch_string")
+
+
+class TwoHeads(nn.Module):
+    """A trunk whose output feeds two heads: its cotangent is the sum of theirs."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(16, name="trunk")(x)
+        return nn.Dense(1, name="h1")(h) + nn.Dense(1, name="h2")(h)
+
+
+def fanout() -> ReplayTask:
+    """One Dense feeding two Dense heads: the free run sums the heads' cotangents with their
+    products fused in (an FMA), the lock-step sums the recorded ones."""
+    return ReplayTask(**{**_fields(tiny()), "name": "fanout", "model": TwoHeads(), "steps": 1})
+
+
+class Attention(nn.Module):
+    """Stock Flax attention, 16 wide, on 8 tokens."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        h = nn.Embed(32, 16, name="embed")(tokens)
+        h = nn.MultiHeadDotProductAttention(num_heads=2, name="attn")(h)
+        return nn.Dense(32, name="head")(h)
+
+
+def attention() -> ReplayTask:
+    """:class:`Attention` predicting the next token, as the tester's ``attn:plain``."""
+
+    def batches(step: int):
+        return np.random.default_rng(step).integers(0, 32, size=(2, 9)).astype(np.int32)
+
+    def loss(logits, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+    return ReplayTask(
+        name="attention",
+        model=Attention(),
+        batches=batches,
+        model_inputs=lambda b: (b[:, :-1],),
+        loss=loss,
+        optimizer=optax.sgd(0.1),
+        steps=1,
+    )
+
+
+class _Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return x + jnp.tanh(nn.Dense(8, name="fc")(x)), None
+
+
+class Scanned(nn.Module):
+    """Three layers stacked with ``nn.scan`` between two Dense."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8, name="inp")(x)
+        stack = nn.scan(_Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        x, _ = stack(name="layers")(x, None)
+        return nn.Dense(1, name="out")(x)
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + jnp.tanh(nn.Dense(8, name="fc")(x))
+
+
+class Rematted(nn.Module):
+    """Two ``nn.remat`` blocks between two Dense."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8, name="inp")(x)
+        for i in range(2):
+            x = nn.remat(_Block)(name=f"block_{i}")(x)
+        return nn.Dense(1, name="out")(x)
+
+
+def scanned() -> ReplayTask:
+    """``tiny`` with its layers in an ``nn.scan``."""
+    return ReplayTask(**{**_fields(tiny()), "name": "scanned", "model": Scanned()})
+
+
+def rematted() -> ReplayTask:
+    """``tiny`` with its layers in ``nn.remat``."""
+    return ReplayTask(**{**_fields(tiny()), "name": "rematted", "model": Rematted()})
+
+
+def unseeded() -> ReplayTask:
+    """``tiny`` with batches from NumPy's global generator, unseeded: every run differs."""
+    batches = lambda step: np.random.normal(size=(4, 5)).astype(np.float32)
+    return ReplayTask(**{**_fields(tiny()), "batches": batches})

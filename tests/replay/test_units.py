@@ -6,6 +6,7 @@ import json
 import math
 import os
 import shlex
+import sys
 
 import numpy as np
 import pytest
@@ -345,3 +346,29 @@ def test_public_names(tmp_path):
     t = Trace(str(tmp_path / "t"))
     assert replay.compare_traces(t, t).identical
     assert sdcguard.record_trace is replay.record_trace
+
+
+@pytest.mark.parametrize("task", ["object", "function"])
+def test_a_task_given_as_an_object_is_refused_with_the_fix(task):
+    from sdcguard.replay import CompareOptions, RecordOptions, TaskError
+
+    from tests.helpers import replay_tasks
+
+    given = replay_tasks.tiny() if task == "object" else replay_tasks.tiny
+    with pytest.raises(TaskError, match=r"task must be a 'module:function' string .*got a"):
+        CompareOptions(record=RecordOptions(task=given))
+
+
+def test_a_task_module_in_the_current_directory_is_found_without_python_dash_m(
+    tmp_path, monkeypatch
+):
+    # The `sdcguard` console script, unlike `python -m sdcguard`, has no '' on sys.path.
+    from sdcguard.replay import load_task
+
+    (tmp_path / "my_replay_task.py").write_text(
+        "from tests.helpers.replay_tasks import tiny as task\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_replay_task", raising=False)
+    assert load_task("my_replay_task:task").name == "tiny-mlp"
