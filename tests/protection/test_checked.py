@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import sdcguard
 from sdcguard.fault_model import Fault, FaultPlan
@@ -382,3 +383,74 @@ def test_a_step_with_drop_in_layers_is_checked_whole_and_injected_once(dtype):
         # bit").
         for x, y in zip(jax.tree.leaves(out[:2]), jax.tree.leaves(clean[:2]), strict=True):
             assert_close(x, y, dtype)
+
+
+# --- An NNX step that updates its module and optimizer in place -------------------------------
+
+
+class NnxMlp(nnx.Module):
+    def __init__(self, dtype, rngs):
+        self.fc1 = nnx.Linear(8, 16, dtype=dtype, rngs=rngs)
+        self.fc2 = nnx.Linear(16, 4, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(jnp.tanh(self.fc1(x)))
+
+
+def nnx_train_step(model, optimizer, x, y):
+    """The NNX tutorial's step: updates ``model`` and ``optimizer`` in place, returns the loss."""
+
+    def loss_fn(model):
+        return jnp.mean((model(x).astype(jnp.float32) - y) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def nnx_case(dtype):
+    model = NnxMlp(dtype, nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    y = jax.random.normal(jax.random.key(2), (4, 4))
+    return model, optimizer, x, y
+
+
+def nnx_arrays(model, optimizer):
+    return [x for x in jax.tree.leaves(nnx.state((model, optimizer))) if hasattr(x, "dtype")]
+
+
+@functools.cache
+def nnx_faulty_step(wrap: str):
+    def run(model, optimizer, x, y, plan):
+        with sdcguard.faults(plan):
+            step = nnx.jit(nnx_train_step) if wrap == "checked(nnx.jit)" else nnx_train_step
+            return sdcguard.checked(step)(model, optimizer, x, y)
+
+    return run if wrap == "eager" else nnx.jit(run)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("wrap", ["eager", "nnx.jit(checked)", "checked(nnx.jit)"])
+def test_an_nnx_step_that_updates_in_place_updates_the_callers_objects(wrap, dtype):
+    model, optimizer, x, y = nnx_case(dtype)
+    before = [np.asarray(a) for a in nnx_arrays(model, optimizer)]
+    nnx.jit(nnx_train_step)(model, optimizer, x, y)  # the plain step, twice
+    nnx.jit(nnx_train_step)(model, optimizer, x, y)
+    expected = nnx_arrays(model, optimizer)
+
+    model, optimizer, x, y = nnx_case(dtype)
+    site = "fc2:dot_general.grad_lhs"
+    names = [s.name for s in list_sites(nnx_train_step, model, optimizer, x, y)]
+    assert site in names
+    clean = FaultPlan.from_faults([], capacity=2)
+    inf = FaultPlan.from_faults([Fault(site=site, kind="inf", index=3)], capacity=2)
+    _, report = nnx_faulty_step(wrap)(model, optimizer, x, y, clean)
+    np.testing.assert_array_equal(total(report), [0, 0, 0, 0])
+    _, report = nnx_faulty_step(wrap)(model, optimizer, x, y, inf)
+    np.testing.assert_array_equal(report[site], [1, 1, 0, 0])
+    assert int(optimizer.step[...]) == 2
+    after = nnx_arrays(model, optimizer)
+    assert any(not np.array_equal(a, b) for a, b in zip(after, before, strict=True))
+    for a, b in zip(after, expected, strict=True):
+        assert_close(a, b, dtype)
