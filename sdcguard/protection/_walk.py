@@ -142,8 +142,10 @@ class Gemm:
         # forward one).
         self.operands = tuple(operands) or tuple(eqn.invars[:2])
         self.scope, self.spec, self.backward = _clean_scope(name_stack)
-        # The backward pass's recomputation of a GEMM under jax.checkpoint / remat.
-        self.in_remat = "rematted_computation" in name_stack and not self.backward
+        # The backward pass's recomputation of a forward GEMM under jax.checkpoint / remat: in
+        # the backward pass (``transpose(...)/rematted_computation``), but no gradient.
+        self.in_remat = "rematted_computation" in name_stack
+        self.backward = self.backward and not self.in_remat
         frames = _user_frames(eqn)
         self.key = (self.scope, tuple((f.file_name, f.start_line) for f in frames))
         # A function's own name, without the functions it is nested in (``f.<locals>.g``: g).

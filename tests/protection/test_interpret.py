@@ -64,6 +64,42 @@ def test_scan_and_remat_forward_and_backward():
         assert_close(out[1], expected[1], jnp.float32)
 
 
+def checkpointed_step(w, x):
+    """Two layers, each under jax.checkpoint (no scan): the backward pass recomputes each
+    forward GEMM beside its gradients."""
+
+    @jax.checkpoint
+    def block(wi, h):
+        return jnp.tanh(h @ wi)
+
+    def loss(w, x):
+        return jnp.sum(block(w[1], block(w[0], x)) ** 2)
+
+    return jax.grad(loss)(w, x)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_a_recomputation_under_checkpoint_takes_its_forward_gemms_name(dtype):
+    w, x = (W[0].astype(dtype), W[1].astype(dtype)), X.astype(dtype)
+    sites = {s.name: s.direction for s in list_sites(checkpointed_step, w, x)}
+    first = "checkpointed_step/block:dot_general"
+    # x is data: the first layer has no input gradient, only the recomputation of its forward
+    # (which was named as one).
+    assert sites == {
+        first: "forward",
+        f"{first}_1": "forward",
+        f"{first}.grad_rhs": "grad_rhs",
+        f"{first}_1.grad_lhs": "grad_lhs",
+        f"{first}_1.grad_rhs": "grad_rhs",
+    }, sites
+    expected = jax.jit(checkpointed_step)(w, x)
+    # A fault at a forward site strikes the GEMM and its recomputation; at a gradient, once.
+    for site, count in ((f"{first}_1", 2), (f"{first}_1.grad_lhs", 1)):
+        out, report = run_with(only(site), checkpointed_step, w, x)
+        np.testing.assert_array_equal(report[site], [count, count, 0, 0])
+        assert_close(out, expected, dtype)
+
+
 def test_per_iteration_counters_of_a_scan():
     site = "stack_loss/layer/<lambda>:dot_general.grad_rhs"
     config = ABFTConfig(per_iteration=True)
