@@ -238,15 +238,19 @@ class AttentionDropout:
         """Whether any weight can be dropped."""
         return not self.deterministic and self.rate > 0.0
 
-    def __call__(self, probs: jax.Array) -> jax.Array:
+    def __call__(self, probs: jax.Array, dtype=None) -> jax.Array:
         """``probs [batch..., heads, q_len, kv_len]`` with weights dropped and the rest rescaled,
-        as Flax does (a broadcast mask spans the batch and head axes)."""
+        as Flax does (a broadcast mask spans the batch and head axes). The rescaling factor is
+        rounded to ``dtype``, the attention's computation dtype (default ``probs.dtype``), as
+        Flax rounds it: with ``force_fp32_for_softmax`` the probabilities are float32, the
+        factor bf16."""
         if not self.active:
             return probs
+        dtype = probs.dtype if dtype is None else dtype
         keep_prob = 1.0 - self.rate
         shape = (1,) * (probs.ndim - 2) + probs.shape[-2:] if self.broadcast else probs.shape
         keep = jax.random.bernoulli(self.rng, keep_prob, shape)
-        return probs * (keep.astype(probs.dtype) / jnp.asarray(keep_prob, dtype=probs.dtype))
+        return probs * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype))
 
 
 NO_DROPOUT = AttentionDropout()
@@ -376,7 +380,7 @@ def protected_attention(
     if sow is not None:
         sow(probs)
 
-    probs = dropout(probs)
+    probs = dropout(probs, dtype)
 
     if groups == 1:
         spec = "...hqk,...khd->...qhd"

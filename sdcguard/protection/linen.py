@@ -298,6 +298,9 @@ def protect(config: ABFTConfig | None = None) -> Iterator[None]:
             or isinstance(module, MultiHeadDotProductAttention)
             # A subclass's __call__ calling Flax's (nn.SelfAttention): one protected call.
             or (recorder is not None and recorder.owner is module)
+            # A subclass's __call__ that is not @nn.compact cannot hold the counters' variables:
+            # the protected call is the compact __call__ it calls (Flax's).
+            or not getattr(getattr(next_fun, "func", next_fun), "compact", False)
         ):
             return next_fun(*args, **kwargs)
         hooks = _hooks(module)

@@ -14,7 +14,7 @@ from flax import nnx
 from flax.core import pop
 
 from sdcguard import linen as sl, nnx as snnx
-from sdcguard.fault_model import ATTENTION_SITES, Fault, FaultPlan, faults
+from sdcguard.fault_model import ATTENTION_SITES, GEMM_SITES, Fault, FaultPlan, faults
 from sdcguard.protection import UncheckedAttentionWarning
 
 from tests.helpers.tolerances import PARITY, TOLERANCES, assert_close
@@ -67,6 +67,34 @@ def test_self_attention_is_protected_once(how):
     y, state = apply(x, one_fault(":scores"))
     assert counts_of(state["sdc"]) == {":scores": [1, 1, 0, 0]}  # one layer call, one count
     assert_close(y, flax_layer.apply(v, x), jnp.float32)
+
+
+class ForwardingAttention(nn.MultiHeadDotProductAttention):
+    """A user's subclass whose ``__call__`` is not ``@nn.compact`` (legal Flax)."""
+
+    def __call__(self, x, mask=None):
+        return super().__call__(x, mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_a_subclass_with_a_plain_call_is_protected_through_flaxs_call(dtype):
+    x = x_input().astype(dtype)
+    layer = ForwardingAttention(num_heads=HEADS, dtype=dtype)
+    v = layer.init(jax.random.key(0), x)
+    with sl.protect():
+        sinks = sl.init_sinks(layer, x)
+    assert sinks["sinks"].shape[0] == len(GEMM_SITES)
+
+    @jax.jit
+    def apply(x, plan):
+        with faults(plan), sl.protect():
+            return layer.apply(v, x, mutable=["sdc"])
+
+    y, state = apply(x, NONE)
+    np.testing.assert_array_equal(y, layer.apply(v, x))  # clean: Flax's output exactly
+    y, state = apply(x, one_fault(":probs"))
+    assert counts_of(state["sdc"]) == {":probs": [1, 1, 0, 0]}
+    assert_close(y, layer.apply(v, x), dtype)
 
 
 # --- nn.scan ---------------------------------------------------------------------------------

@@ -144,6 +144,25 @@ def test_empty_inputs_pass_through_as_in_flax(shape, dtype):
     np.testing.assert_array_equal(sl.total_counts(state["sdc"]), [0, 0, 0, 0])
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("force_fp32_for_softmax", [False, True])
+def test_dropout_rescales_as_flax_does_in_its_computation_dtype(dtype, force_fp32_for_softmax):
+    # Flax rounds the keep factor 1/(1 - rate) to the computation dtype, also when the softmax
+    # ran in float32: 1/0.7 is 1.4296875 in bf16, 1.4285714 in float32.
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 6, 4, 8)).astype(dtype) for i in range(3))
+    kwargs = {
+        "dropout_rate": 0.3,
+        "dropout_rng": jax.random.key(7),
+        "force_fp32_for_softmax": force_fp32_for_softmax,
+    }
+    expected = nn.dot_product_attention(q, k, v, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no layer here to hold the counters
+        out = sdcguard.dot_product_attention(q, k, v, **kwargs)
+    assert out.dtype == expected.dtype
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+
+
 def test_decode_cache_parity():
     flax_layer, ours = make_pair(decode=True)
     x, _ = inputs()
