@@ -274,6 +274,15 @@ class SelfAttention(MultiHeadDotProductAttention, _FlaxSelfAttention):
     """
 
 
+def _in_compact_method(module: nn.Module) -> bool:
+    """Whether ``module``'s method being called is ``@nn.compact`` (it may create variables).
+
+    Flax sets this state before the method's interceptors run; where a Flax version lacks it,
+    every call counts as compact (as before subclasses with a plain ``__call__`` were known).
+    """
+    return getattr(getattr(module, "_state", None), "in_compact_method", True)
+
+
 @contextlib.contextmanager
 def protect(config: ABFTConfig | None = None) -> Iterator[None]:
     """Protects every ``nn.MultiHeadDotProductAttention`` called inside the block.
@@ -299,8 +308,9 @@ def protect(config: ABFTConfig | None = None) -> Iterator[None]:
             # A subclass's __call__ calling Flax's (nn.SelfAttention): one protected call.
             or (recorder is not None and recorder.owner is module)
             # A subclass's __call__ that is not @nn.compact cannot hold the counters' variables:
-            # the protected call is the compact __call__ it calls (Flax's).
-            or not getattr(getattr(next_fun, "func", next_fun), "compact", False)
+            # the protected call is the compact __call__ it calls (Flax's). Flax marks the
+            # module as in a compact method before it runs the interceptors.
+            or not _in_compact_method(module)
         ):
             return next_fun(*args, **kwargs)
         hooks = _hooks(module)
