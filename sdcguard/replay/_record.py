@@ -22,7 +22,6 @@ inputs from the same task is the finding (see :mod:`sdcguard.replay.diff`).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from collections.abc import Callable, Mapping, Sequence
 
@@ -32,6 +31,7 @@ import numpy as np
 from sdcguard import fault_model as inject
 from sdcguard.fault_model import match_sites
 from sdcguard.replay import _capture as capture, _determinism as determinism
+from sdcguard.replay._sites import unknown_site_message
 from sdcguard.replay._task import DEFAULT_TASK, ReplayTask, check_task_name, load_task
 from sdcguard.replay._trace import Trace, TraceError, TraceWriter
 
@@ -141,30 +141,6 @@ def programs_for(task: ReplayTask, options: RecordOptions) -> capture.Programs:
 
 
 # --- Checking options against the task, before anything runs ---------------------------------
-
-
-def unknown_site_message(name: str, sites: Sequence[str], transformed: Sequence[str] = ()) -> str:
-    """Why ``name`` is not a site: inside a lifted transform, or unknown (with close names).
-
-    Args:
-      name: the site asked for.
-      sites: every site of the task.
-      transformed: modules called inside a Flax lifted transform
-        (:attr:`~sdcguard.replay._capture.Hooks.inside_transforms`).
-    """
-    module = name.rpartition(":")[0]
-    inside = next((m for m in transformed if module == m or module.startswith(m + "/")), None)
-    if inside is not None:
-        return (
-            f"site {name!r} is in module {inside!r}, which runs inside a Flax lifted "
-            "transform (nn.scan, nn.remat, nn.vmap...): its body is traced apart from the "
-            "program (a scan's more than once, and run once per layer), so replay neither "
-            "taps nor injects there; inject at a site outside it, or at its parameters' "
-            "gradients and updates; `sdcguard sites` lists every site of the task"
-        )
-    close = difflib.get_close_matches(name, list(sites), n=3, cutoff=0.6)
-    hint = f" (close: {', '.join(close)})" if close else ""
-    return f"unknown site {name!r}{hint}; `sdcguard sites` lists every site of the task"
 
 
 def check_faults(

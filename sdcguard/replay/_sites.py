@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
+
 import jax
 
 from sdcguard.fault_model import match_sites
@@ -37,3 +40,27 @@ def task_sites(task_name: str, match: str | None = None) -> tuple[list[str], lis
         if not names and not modules:
             raise ValueError(f"--match {match!r} matches no site or submodule of the task")
     return names, modules
+
+
+def unknown_site_message(name: str, sites: Sequence[str], transformed: Sequence[str] = ()) -> str:
+    """Why ``name`` is not a site: inside a lifted transform, or unknown (with close names).
+
+    Args:
+      name: the site asked for.
+      sites: every site of the task.
+      transformed: modules called inside a Flax lifted transform
+        (:attr:`~sdcguard.replay._capture.Hooks.inside_transforms`).
+    """
+    module = name.rpartition(":")[0]
+    inside = next((m for m in transformed if module == m or module.startswith(m + "/")), None)
+    if inside is not None:
+        return (
+            f"site {name!r} is in module {inside!r}, which runs inside a Flax lifted "
+            "transform (nn.scan, nn.remat, nn.vmap...): its body is traced apart from the "
+            "program (a scan's more than once, and run once per layer), so replay neither "
+            "taps nor injects there; inject at a site outside it, or at its parameters' "
+            "gradients and updates; `sdcguard sites` lists every site of the task"
+        )
+    close = difflib.get_close_matches(name, list(sites), n=3, cutoff=0.6)
+    hint = f" (close: {', '.join(close)})" if close else ""
+    return f"unknown site {name!r}{hint}; `sdcguard sites` lists every site of the task"
