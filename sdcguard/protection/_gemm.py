@@ -56,7 +56,7 @@ def dot(
     dimension_numbers = ct.dimension_numbers
     dtype = jnp.result_type(a, b)
     out_dtype = jnp.dtype(preferred_element_type or dtype)
-    if float32_accumulation and _pins_accumulation(dtype, out_dtype):
+    if float32_accumulation and pins_accumulation(dtype, out_dtype):
         out = jax.lax.dot_general(
             a.astype(jnp.float32), b.astype(jnp.float32), dimension_numbers, precision=precision
         )
@@ -70,7 +70,7 @@ def dot(
     )
 
 
-def _pins_accumulation(dtype, out_dtype) -> bool:
+def pins_accumulation(dtype, out_dtype) -> bool:
     """Whether a checked GEMM of ``dtype`` operands and ``out_dtype`` result is computed from
     float32 copies of its operands (docs/abft.md, "How the code is cut")."""
     # A float32 result (``preferred_element_type``) is the backend's float32 sum already.

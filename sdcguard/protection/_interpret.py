@@ -1,7 +1,9 @@
 """The interpreter of ``checked``: a jaxpr evaluated again with its GEMMs checked.
 
 :class:`Evaluator` runs a traced program equation by equation: each selected ``dot_general``
-through the checked-GEMM routine, each supported cuDNN attention through the ABFT flash kernel
+through the checked-GEMM routine, each grouped GEMM (``ragged_dot_general``) and convolution
+through a check by its own primitive (:mod:`sdcguard.protection._primitive_checks`), each
+supported cuDNN attention through the ABFT flash kernel
 (:mod:`sdcguard.protection._fused_attention`), and each primitive that holds jaxprs (``jit``,
 ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp``, ``shard_map``,
 ``custom_linear_solve``) by a rule that evaluates its body the same way and carries the
@@ -29,6 +31,7 @@ from sdcguard.protection._checks import Verdict, apply_verdicts, repair_strategy
 from sdcguard.protection._config import ABFTConfig, zero_counts
 from sdcguard.protection._contraction import Contraction
 from sdcguard.protection._gemm import GemmJob, checked_gemm, gemm_verdict, groups_checks
+from sdcguard.protection._primitive_checks import CHECKED_PRIMITIVES, checked_primitive_gemm
 from sdcguard.protection._select import OPENED_PRIMITIVES, SiteTable, checkable_dtype
 from sdcguard.protection._trace import Traced
 from sdcguard.protection._walk import Gemm, collect_gemms, is_fused_attention
@@ -245,6 +248,8 @@ class Evaluator:
     def eqn(self, eqn, invals):
         if is_fused_attention(eqn):
             return self._fused_attention(eqn, invals)
+        if eqn.primitive.name in CHECKED_PRIMITIVES:
+            return self._checked_by_primitive(eqn, invals)
         if eqn.primitive.name in OPENED_PRIMITIVES or eqn.primitive.name == "dot_general":
             return getattr(self, "_" + eqn.primitive.name)(eqn, invals)
         # Any other primitive runs as it is; GEMMs inside one that holds jaxprs run unchecked,
@@ -287,6 +292,25 @@ class Evaluator:
                 counts = sharding.as_rows(counts, self.mesh)
             elif counts.shape[0] != sharding.counter_rows(self.mesh)[0]:
                 counts = sharding.as_rows(jnp.sum(counts, axis=0), self.mesh)
+            self.per_device.add(name)
+        return out, {name: counts}
+
+    # A grouped GEMM or a convolution, checked by its own primitive (protection._primitive_checks).
+    def _checked_by_primitive(self, eqn, invals):
+        name, _ = self.names[id(eqn)]
+        if self.why[id(eqn)]:
+            params = eqn.primitive.get_bind_params(eqn.params)
+            out = eqn.primitive.bind(*invals, **params)
+            if all(checkable_dtype(x.dtype) for x in invals[:2]):
+                out = inject.apply(out, self.plan(name, out), name)
+            return out, {}
+        out, counts = checked_primitive_gemm(
+            eqn, invals, site=name, config=self.config, plan=self.plan(name, invals[0])
+        )
+        if self.sharded:
+            # Checked on the global arrays (XLA partitions the check with the GEMM): the same
+            # counts on every device, kept once.
+            counts = sharding.as_rows(counts, self.mesh)
             self.per_device.add(name)
         return out, {name: counts}
 

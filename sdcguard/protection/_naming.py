@@ -196,7 +196,7 @@ class _Namer:
 
     def by_weight(self, g: Gemm, leaf_kept: bool = False) -> tuple[ModulePath, str]:
         module, with_leaf = self.owners[self.weight_of[g.index]]
-        return (with_leaf if leaf_kept else module), g.method or "dot_general"
+        return (with_leaf if leaf_kept else module), g.method or g.kind
 
     def by_producers(
         self, g: Gemm, ignore: frozenset = frozenset()
@@ -216,11 +216,13 @@ class _Namer:
         where = _common(parents)
         if not where.keys or any(len(p.keys) > len(where.keys) + 1 for p in parents):
             return None  # operands from far apart in the model: not one module's GEMM
+        if g.kind != "dot_general":
+            return where, g.kind  # a grouped GEMM is no attention core
         if any(self.place[p] == (where, "scores") for p in producers):
             return where, "context"
         if g.lhs_flow.producers and g.rhs_flow.producers:
             return where, "scores"
-        return where, "dot_general"
+        return where, g.kind
 
     def by_scope(self, g: Gemm) -> str:
         if is_path(g.scope):

@@ -102,18 +102,6 @@ def _iterations(jaxpr, times: int | None = 1, out: dict | None = None) -> dict[i
 # JAX's cuDNN attention is not among them: it runs through the ABFT flash kernel
 # (:mod:`sdcguard.protection._fused_attention`), or is listed with the reason it cannot.
 _FUSED_GEMM_PRIMITIVES = ("cudnn", "cublas", "custom_call")
-# Primitives that contract like a GEMM but are not a dot_general, which is what checked
-# verifies: each is listed as a site that runs unchecked, with what it is.
-_UNCHECKED_CONTRACTIONS = {
-    "ragged_dot_general": (
-        "a grouped GEMM (jax.lax.ragged_dot, as in mixture-of-experts layers), which "
-        "sdcguard.checked does not check; a dot_general per group (or a dense einsum over "
-        "the experts) is checked"
-    ),
-    "conv_general_dilated": (
-        "a convolution, which sdcguard.checked does not check (it checks dot_general GEMMs)"
-    ),
-}
 
 
 def _selected(name: str, config: ABFTConfig) -> bool:
@@ -194,10 +182,9 @@ def _not_run_checked(jaxpr) -> dict[int, str]:
 
 
 def _fused_gemm_sites(jaxpr) -> list[GemmSite]:
-    """A site for each GEMM of the program that is not a ``dot_general``: fused kernels (custom
-    calls, cuBLAS and cuDNN kernels other than attention) and other contractions (grouped GEMMs,
-    convolutions). All run unchecked; names repeated are numbered in program order, as
-    dot_generals' are (``fn:conv_general_dilated_1``)."""
+    """A site for each fused kernel of the program whose GEMMs no jaxpr shows (custom calls,
+    cuBLAS and cuDNN kernels other than attention). All run unchecked; names repeated are
+    numbered in program order, as GEMMs' are (``fn:custom_call_1``)."""
     seen: dict[str, int] = {}
     unique = []
     for site in _unchecked_kernels(jaxpr):
@@ -213,9 +200,7 @@ def _unchecked_kernels(jaxpr, outer: str = "") -> list[GemmSite]:
         stack = "/".join(p for p in (outer, str(eqn.source_info.name_stack)) if p)
         prim = eqn.primitive.name
         why = ""
-        if prim in _UNCHECKED_CONTRACTIONS:
-            why = _UNCHECKED_CONTRACTIONS[prim]
-        elif any(k in prim for k in _FUSED_GEMM_PRIMITIVES) and not is_fused_attention(eqn):
+        if any(k in prim for k in _FUSED_GEMM_PRIMITIVES) and not is_fused_attention(eqn):
             why = (
                 f"a fused kernel ({prim}) whose GEMMs sdcguard.checked cannot see; use "
                 "the drop-in attention layers or an XLA attention implementation"
@@ -324,7 +309,9 @@ def site_table(jaxpr, config: ABFTConfig, input_paths: Sequence[str] = ()) -> Si
             dtype=_dtype_name(g),
             checked=not why,
             why_unchecked=why,
-            implementation="" if why else implementation,
+            # A grouped GEMM or a convolution is checked on the XLA path whatever the
+            # implementation.
+            implementation="" if why else (implementation if g.kind == "dot_general" else "xla"),
             iterations=iterations.get(id(g.eqn), 1),
         )
         # A name some of whose GEMMs are checked is a checked site (it is in the report).

@@ -1,6 +1,7 @@
 """The walk over a traced program: every GEMM, and where its operands come from.
 
-:func:`collect_gemms` visits every ``dot_general`` of a jaxpr and of the jaxprs nested in it
+:func:`collect_gemms` visits every GEMM (a ``dot_general``, a grouped GEMM or a convolution:
+:data:`GEMM_PRIMITIVES`) of a jaxpr and of the jaxprs nested in it
 (``jit``, ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp``,
 ``shard_map``, ...), in program order, and follows each operand back through the dataflow
 (:class:`Flow`): to the traced arguments it is a moved, cast or sliced copy of, and to the GEMMs
@@ -53,6 +54,10 @@ _PASS_THROUGH = {
     "all_gather_invariant",
     "optimization_barrier",
 }
+# The primitives that are GEMMs to the walk, named and checked: ``dot_general``, the grouped
+# GEMM of mixture-of-experts layers (``jax.lax.ragged_dot``) and convolutions, the last two
+# checked by their own primitive (:mod:`sdcguard.protection._primitive_checks`).
+GEMM_PRIMITIVES = ("dot_general", "ragged_dot_general", "conv_general_dilated")
 # More nearest producing GEMMs than this (the residual stream after many layers): too many to
 # name anything after; the value counts as produced by "many".
 _MAX_PRODUCERS = 32
@@ -114,10 +119,12 @@ def _user_frames(eqn) -> list:
 
 
 class Gemm:
-    """One dot_general equation seen while naming.
+    """One GEMM equation seen while naming (a primitive of :data:`GEMM_PRIMITIVES`).
 
     Attributes:
       eqn: the equation.
+      kind: its primitive's name (``'dot_general'``, ``'conv_general_dilated'``, ...): what a site
+        name ends with when no module method names it.
       index: its position in program order.
       lhs_flow, rhs_flow: where its operands come from (:class:`Flow`).
       operands: the variables that first hold its two operands' values.
@@ -135,6 +142,7 @@ class Gemm:
         operands: Sequence = (),
     ):
         self.eqn = eqn
+        self.kind = eqn.primitive.name
         self.index = index
         self.lhs_flow, self.rhs_flow = (*flows, _NOWHERE, _NOWHERE)[:2]
         # The operands as values, not variables: the same value whether cast, reshaped or
@@ -160,9 +168,9 @@ class Gemm:
             names = frames[0].function_name.split(".<locals>.")
         self.call_path = "/".join(names)
         if is_path(self.scope):
-            self.base = f"{self.scope}:{inner or 'dot_general'}"
+            self.base = f"{self.scope}:{inner or self.kind}"
         else:
-            self.base = f"{self.call_path or self.scope or 'fn'}:dot_general"
+            self.base = f"{self.call_path or self.scope or 'fn'}:{self.kind}"
         lhs, rhs = eqn.invars[:2]
         self.lhs_shape, self.rhs_shape = tuple(lhs.aval.shape), tuple(rhs.aval.shape)
         self.out_shape = tuple(eqn.outvars[0].aval.shape)
@@ -218,7 +226,7 @@ def _walk(
     same: dict,
     cores: list[Gemm] | None = None,
 ) -> list[Flow]:
-    """Appends every dot_general of ``jaxpr`` (and its sub-jaxprs) to ``found`` in program order,
+    """Appends every GEMM of ``jaxpr`` (and its sub-jaxprs) to ``found`` in program order,
     with where its operands come from; returns where ``jaxpr``'s outputs come from. With
     ``cores``, appends there every fused attention equation (:func:`is_fused_attention`), its
     flows those of the query and of the keys and values, its operands the three of them.
@@ -243,7 +251,7 @@ def _walk(
         ins = [flow(v) for v in eqn.invars]
         outs: list[Flow] | None = None
         name = eqn.primitive.name
-        if name == "dot_general":
+        if name in GEMM_PRIMITIVES:
             operands = [first(v) for v in eqn.invars[:2]]
             found.append(Gemm(eqn, stack, len(found), ins, operands))
             outs = [Flow(frozenset(), frozenset({len(found) - 1}))]
@@ -301,8 +309,8 @@ def _keeps_params(eqn, ins: list[Flow]) -> bool:
 def collect_gemms(
     jaxpr, outer: str = "", input_flows: Sequence[Flow] = (), cores: list[Gemm] | None = None
 ) -> list[Gemm]:
-    """Every dot_general of ``jaxpr`` and its sub-jaxprs, in program order; with ``cores``, the
-    fused attention equations are appended to it (see :func:`_walk`)."""
+    """Every GEMM of ``jaxpr`` and its sub-jaxprs (:data:`GEMM_PRIMITIVES`), in program order;
+    with ``cores``, the fused attention equations are appended to it (see :func:`_walk`)."""
     found: list[Gemm] = []
     flows = list(input_flows) + [_NOWHERE] * (len(jaxpr.invars) - len(input_flows))
     _walk(jaxpr, outer, flows, found, {}, cores)

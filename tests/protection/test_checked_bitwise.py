@@ -17,7 +17,7 @@ def _bf16(tree):
 
 
 # XLA:CPU of jax >= 0.12 computes some bf16 GEMMs of this model otherwise than a float32 dot
-# rounded once, which is what a checked bf16 GEMM computes on XLA:CPU (_gemm._pins_accumulation):
+# rounded once, which is what a checked bf16 GEMM computes on XLA:CPU (_gemm.pins_accumulation):
 # one bf16 ulp apart (docs/protection.md, "Mixed precision"). Issue 37, item 7: open there.
 _PINNED_DIFFERS = jax.default_backend() == "cpu" and tuple(
     int(p) for p in jax.__version__.split(".")[:2]

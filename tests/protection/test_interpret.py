@@ -240,28 +240,6 @@ def test_gemms_inside_a_nested_jit_are_checked_and_corrected(dtype):
         jax.tree.map(lambda a, b: assert_close(a, b, dtype), out, expected)
 
 
-def test_grouped_gemms_and_convolutions_are_listed_unchecked_and_refuse_faults():
-    def fn(x, experts, groups, image, kernel):
-        routed = jax.lax.ragged_dot(x, experts, groups)
-        conv = jax.lax.conv_general_dilated(image, kernel, (1, 1), "SAME")
-        return jnp.sum(routed) + jnp.sum(conv) + jnp.sum(x @ x.T)
-
-    args = (
-        X, jnp.ones((2, 8, 3)), jnp.array([1, 3], jnp.int32),
-        jnp.ones((1, 2, 5, 5)), jnp.ones((4, 2, 3, 3)),
-    )  # fmt: skip
-    step = jax.grad(fn, argnums=(0, 1))
-    sites = list_sites(step, *args)
-    unchecked = {s.name: s.why_unchecked for s in sites if not s.checked}
-    assert len(unchecked) == len(set(unchecked)) == 4, unchecked  # ragged dot: 1 + 2 gradients
-    assert sum("grouped GEMM (jax.lax.ragged_dot" in w for w in unchecked.values()) == 3
-    assert sum("a convolution" in w for w in unchecked.values()) == 1
-    assert all(s.checked for s in sites if ":dot_general" in s.name)
-    site = next(n for n, w in unchecked.items() if "grouped GEMM" in w)
-    with pytest.raises(ValueError, match=f"{site}.*has no injection point: a grouped GEMM"):
-        run_with(only(site), step, *args)
-
-
 def test_a_gradient_gemm_of_a_literal_cotangent_is_named_checked_and_corrected():
     # grad of a dot of two vectors: JAX multiplies by the scalar cotangent 1.0 with a
     # dot_general whose operand is a jaxpr literal, not a variable.

@@ -1,0 +1,222 @@
+"""Grouped GEMMs and convolutions, checked by their own primitive.
+
+A grouped GEMM (``ragged_dot_general``: ``jax.lax.ragged_dot``, the experts of a
+mixture-of-experts layer) and a convolution (``conv_general_dilated``) are contractions whose
+output is linear in the right operand ``B``. So the sums of ``C`` along the axes that come from
+``B``'s free axes (a grouped GEMM's output columns, a convolution's output features) are the
+same primitive applied to ``B`` summed along those axes: the expected line sums are the
+primitive again, one element wide where ``C`` is ``N`` wide, whatever its mode (rows or
+contraction grouped; strides, padding, dilation, feature or batch groups). The thresholds are
+the row check's (:class:`~sdcguard.protection._checksums.RowCheck`). A flagged output is computed
+again once, and its failed lines are taken from the recomputation when that passes the same
+check (docs/protection.md, "Grouped GEMMs and convolutions").
+
+Example:
+  >>> out, counts = checked_primitive_gemm(
+  ...     eqn, [x, experts, group_sizes], site="moe/wi:ragged_dot_general",
+  ...     config=ABFTConfig(), plan=None)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sdcguard import fault_model
+from sdcguard.fault_model import FaultPlan
+from sdcguard.protection._checks import Verdict, apply_verdicts, check_scope
+from sdcguard.protection._checksums import RowCheck, power_of_two_below
+from sdcguard.protection._config import ABFTConfig, count_outcomes
+from sdcguard.protection._gemm import as_stored, pins_accumulation
+from sdcguard.protection._tolerance import narrower_than_float32
+
+# The primitives this module checks: each is a GEMM to the walk (``_walk.GEMM_PRIMITIVES``).
+CHECKED_PRIMITIVES = ("ragged_dot_general", "conv_general_dilated")
+
+
+class PrimitiveGemm(NamedTuple):
+    """A contraction equation linear in its right operand, as its check reads it.
+
+    Attributes:
+      primitive: the equation's primitive.
+      params: its bind parameters.
+      rhs_free: the axes of ``B`` whose sums give ``C``'s line sums.
+      out_free: the axes of ``C`` they become.
+      groups: how many groups of consecutive elements one free axis keeps as separate lines
+        (a grouped convolution's feature or batch groups; 1: the axes are summed whole).
+      k: the most products summed into one element of ``C`` (the contraction's length).
+      out_dtype: ``C``'s dtype.
+    """
+
+    primitive: object
+    params: dict
+    rhs_free: tuple[int, ...]
+    out_free: tuple[int, ...]
+    groups: int
+    k: int
+    out_dtype: jnp.dtype
+
+    @classmethod
+    def of(cls, eqn) -> PrimitiveGemm:
+        """The check's view of a ``ragged_dot_general`` or ``conv_general_dilated`` equation."""
+        params = eqn.primitive.get_bind_params(eqn.params)
+        rhs, out = eqn.invars[1].aval, eqn.outvars[0].aval
+        common = dict(primitive=eqn.primitive, params=params, out_dtype=jnp.dtype(out.dtype))
+        if eqn.primitive.name == "conv_general_dilated":
+            numbers = params["dimension_numbers"]
+            out_features = numbers.rhs_spec[0]
+            return cls(
+                rhs_free=(out_features,),
+                out_free=(numbers.out_spec[1],),
+                groups=max(params["feature_group_count"], params["batch_group_count"]),
+                k=math.prod(rhs.shape) // max(rhs.shape[out_features], 1),
+                **common,
+            )
+        numbers = params["ragged_dot_dimension_numbers"]
+        (lhs_contracting, rhs_contracting), (_, rhs_batch) = numbers.dot_dimension_numbers
+        not_free = set(rhs_contracting) | set(rhs_batch) | set(numbers.rhs_group_dimensions)
+        rhs_free = tuple(i for i in range(rhs.ndim) if i not in not_free)
+        lhs = eqn.invars[0].aval
+        return cls(
+            rhs_free=rhs_free,
+            out_free=tuple(range(out.ndim - len(rhs_free), out.ndim)),  # they come last
+            groups=1,
+            k=math.prod(lhs.shape[i] for i in lhs_contracting),
+            **common,
+        )
+
+    def compute(self, a, b, rest: Sequence, *, pinned: bool = True) -> jax.Array:
+        """The equation on ``a``, ``b`` (and the rest of its operands) in ``C``'s dtype; where
+        the backend would not sum a bf16/fp16 contraction in float32 (XLA:CPU), from float32
+        copies of the operands, rounded once (as a checked ``dot_general`` is computed)."""
+        dtype = jnp.result_type(a, b)
+        if pinned and pins_accumulation(dtype, self.out_dtype):
+            params = dict(self.params, preferred_element_type=jnp.float32)
+            wide = (a.astype(jnp.float32), b.astype(jnp.float32))
+            return self.primitive.bind(*wide, *rest, **params).astype(self.out_dtype)
+        return self.primitive.bind(a, b, *rest, **self.params).astype(self.out_dtype)
+
+    def line_sums(self, x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+        """``x`` summed along ``axes`` (kept, as ``groups`` lines each)."""
+        if self.groups == 1:
+            return jnp.sum(x, axis=axes, keepdims=True)
+        (axis,) = axes
+        shape = x.shape
+        split = (*shape[:axis], self.groups, shape[axis] // self.groups, *shape[axis + 1 :])
+        return jnp.sum(x.reshape(split), axis=axis + 1)
+
+    def lines(self, a32, b32_lines, rest: Sequence) -> jax.Array:
+        """The primitive on float32 ``a`` and a ``B`` of line sums: one value per line of
+        ``C``, exact to float32's round-off."""
+        params = dict(
+            self.params, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+        )
+        return self.primitive.bind(a32, b32_lines, *rest, **params)
+
+
+def primitive_verdict(
+    c: jax.Array, a: jax.Array, b: jax.Array, rest: Sequence, gemm: PrimitiveGemm, *, config
+) -> Verdict:
+    """The line checks of ``c``, as a :class:`Verdict` (applied by the caller,
+    :func:`apply_verdicts`). The whole output counts as one matrix: one detection per call.
+
+    Args:
+      c: the computed output (possibly corrupted).
+      a, b, rest: the equation's operands (``rest``: a grouped GEMM's group sizes and offset).
+      gemm: the equation (:meth:`PrimitiveGemm.of`).
+      config: ``safety``, ``correct``.
+    """
+    f32 = jnp.float32
+    b32 = b.astype(f32)
+    v = gemm.line_sums(b32, gemm.rhs_free)
+    w = gemm.line_sums(jnp.abs(b32), gemm.rhs_free)
+    # One power of two for the whole call, from the largest |B|e: nothing overflows below.
+    scale = power_of_two_below(jnp.max(w)) if w.size else jnp.ones((), f32)
+    a32 = a.astype(f32)
+    ref = gemm.lines(a32, v * scale, rest)
+    magnitude = gemm.lines(jnp.abs(a32), w * scale, rest)
+    line_length = c.shape[gemm.out_free[0]] // gemm.groups if gemm.groups > 1 else None
+
+    def check(c) -> RowCheck:
+        c32 = c.astype(f32) * scale
+        low = narrower_than_float32(c.dtype)
+        return RowCheck(
+            ref=ref,
+            row_sum=gemm.line_sums(c32, gemm.out_free),
+            abs_sum=gemm.line_sums(jnp.abs(c32), gemm.out_free) if low else None,
+            magnitude=magnitude,
+            scale=scale,
+            scale_on_row=scale,
+            c_dtype=c.dtype,
+            a_dtype=a.dtype,
+            precision=gemm.params.get("precision"),
+            k=gemm.k,
+            n_line=math.prod(c.shape[i] for i in gemm.out_free) // gemm.groups,
+            safety=config.safety,
+        )
+
+    def on_c(lines):
+        # A value per line, on C's elements (broadcastable to C).
+        if line_length is None:
+            return lines
+        return jnp.repeat(lines, line_length, axis=gemm.out_free[0])
+
+    bad = check(c).bad()
+    detected = jnp.any(bad)
+    upstream = jnp.any(bad & ~jnp.isfinite(ref))  # an operand already held a NaN or INF
+
+    def counts(corrected, doomed):
+        return count_outcomes(*(x.astype(jnp.int32) for x in (detected, corrected, doomed)))
+
+    def clean(c):
+        return c, counts(jnp.zeros_like(detected), upstream)
+
+    if not config.correct:
+        return Verdict(detected, clean, clean)
+
+    def repair(c):
+        """``c`` with its failed lines computed again, where the recomputation passes."""
+        # Through a barrier, the recomputation is a computation of its own: XLA cannot merge
+        # it with the first (which would hand back what a fault in that one produced).
+        a_again, b_again, rest_again = lax.optimization_barrier((a, b, list(rest)))
+        again = gemm.compute(a_again, b_again, rest_again)
+        bad_again = check(again).bad()
+        # A flagged line the recomputation makes non-finite: the inputs define it (an fp16
+        # output that overflows), as a non-finite reference says.
+        failed = on_c(bad)
+        doomed = upstream | (detected & jnp.any(failed & ~jnp.isfinite(again)))
+        fix = detected & ~jnp.any(bad_again) & ~doomed
+        return jnp.where(failed & fix, again, c), counts(fix, doomed)
+
+    return Verdict(detected, repair, clean)
+
+
+def checked_primitive_gemm(
+    eqn, invals: Sequence, *, site: str, config: ABFTConfig, plan: FaultPlan | None
+) -> tuple[jax.Array, jax.Array]:
+    """A grouped GEMM or convolution equation computed, injected into at ``site`` and checked.
+
+    Args:
+      eqn: the equation (a primitive of :data:`CHECKED_PRIMITIVES`).
+      invals: its operands' values: ``A``, ``B`` (and a grouped GEMM's group sizes, offset).
+      site: its site name.
+      config: the check's settings (``correct``, ``repair``, ``safety``).
+      plan: the faults to inject, or None.
+
+    Returns:
+      ``(c, counts)``: the output, its failed lines computed again where the check found any,
+      and int32 ``[detected, corrected, uncorrectable, nonfinite_input]``.
+    """
+    gemm = PrimitiveGemm.of(eqn)
+    a, b, *rest = invals
+    a, b = as_stored(a), as_stored(b)
+    c = gemm.compute(a, b, rest)
+    c = fault_model.apply(c, plan, site)
+    with jax.named_scope(check_scope(site)):
+        verdict = primitive_verdict(c, a, b, rest, gemm, config=config)
+    return apply_verdicts([verdict._replace(site=site)], [c], config)[0]
