@@ -288,36 +288,54 @@ def test_grouped_gemms_in_a_scanned_layer_stack_count_every_layer():
     assert_close(out, jax.jit(step)(w, x), jnp.float32)
 
 
-def test_grouped_gemms_on_8_devices_in_a_subprocess():
+def test_grouped_gemms_and_convolutions_on_8_devices_in_a_subprocess():
     run_on_8_devices(__file__)
 
 
+def _grouped_gemm(lhs, rhs, out_sharding=None):
+    sizes = jnp.array([lhs.shape[0] // 2, lhs.shape[0] - lhs.shape[0] // 2], jnp.int32)
+    if out_sharding is None:
+        return jax.lax.ragged_dot(lhs, rhs, sizes)
+    numbers = jax.lax.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0])
+    return jax.lax.ragged_dot_general(lhs, rhs, sizes, numbers, out_sharding=out_sharding)
+
+
+def _convolution(lhs, rhs, out_sharding=None):
+    numbers = ("NHWC", "HWIO", "NHWC")
+    if out_sharding is None:
+        return jax.lax.conv_general_dilated(lhs, rhs, (1, 1), "SAME", dimension_numbers=numbers)
+    return jax.lax.conv_general_dilated(
+        lhs, rhs, (1, 1), "SAME", dimension_numbers=numbers, out_sharding=out_sharding
+    )
+
+
+SHARDED = {  # the primitive, its operands' shapes (lhs sharded along its first axis)
+    "ragged_dot_general": (_grouped_gemm, (64, 8), (2, 8, 4)),
+    "conv_general_dilated": (_convolution, (16, 5, 5, 3), (3, 3, 3, 4)),
+}
+
+
 @needs_8
+@pytest.mark.parametrize("primitive", SHARDED)
 @pytest.mark.parametrize("how", ["jit", "jit, explicit axes", "shard_map"])
-def test_grouped_gemms_sharded_on_8_devices(how):
+def test_grouped_gemms_and_convolutions_sharded_on_8_devices(how, primitive):
     explicit = how == "jit, explicit axes"
     axis_type = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
     mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
     P = jax.sharding.PartitionSpec
-    rhs = jax.random.normal(jax.random.key(2), (2, 8, 4))
-    lhs = jax.random.normal(jax.random.key(3), (64, 8))
-    # On explicit axes JAX asks the grouped GEMM for its output's sharding.
+    call, lhs_shape, rhs_shape = SHARDED[primitive]
+    lhs = jax.random.normal(jax.random.key(3), lhs_shape)
+    rhs = jax.random.normal(jax.random.key(2), rhs_shape)
+    lhs = jax.device_put(lhs, jax.sharding.NamedSharding(mesh, P("data")))
+    # On explicit axes JAX asks a grouped GEMM for its output's sharding.
     out_sharding = jax.sharding.NamedSharding(mesh, P("data")) if explicit else None
 
-    def per_device(lhs, rhs):
-        sizes = jnp.array([lhs.shape[0] // 2, lhs.shape[0] - lhs.shape[0] // 2], jnp.int32)
-        if out_sharding is None:
-            return jax.lax.ragged_dot(lhs, rhs, sizes)
-        numbers = jax.lax.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0])
-        return jax.lax.ragged_dot_general(lhs, rhs, sizes, numbers, out_sharding=out_sharding)
+    def fn(lhs, rhs):
+        return call(lhs, rhs, out_sharding)
 
     if how == "shard_map":
-        fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
-        lhs = jax.device_put(lhs, jax.sharding.NamedSharding(mesh, P("data")))
-    else:
-        fn = per_device
-        lhs = jax.device_put(lhs, jax.sharding.NamedSharding(mesh, P("data")))
-    site = next(s.name for s in list_sites(fn, lhs, rhs) if "ragged" in s.name)
+        fn = jax.shard_map(fn, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
+    site = next(s.name for s in list_sites(fn, lhs, rhs) if primitive in s.name)
     out, report = run_with(only(site), fn, lhs, rhs)
     expected = 8 if how == "shard_map" else 1  # a plan strikes every device's block
     np.testing.assert_array_equal(report[site], [expected, expected, 0, 0])
