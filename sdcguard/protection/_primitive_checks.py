@@ -37,6 +37,65 @@ from sdcguard.protection._tolerance import narrower_than_float32
 
 # The primitives this module checks: each is a GEMM to the walk (``_walk.GEMM_PRIMITIVES``).
 CHECKED_PRIMITIVES = ("ragged_dot_general", "conv_general_dilated")
+# A convolution's check of at most this many groups runs ungrouped (:meth:`PrimitiveGemm.lines`):
+# its work grows with the groups, and a depthwise convolution's (one group per feature) stays
+# grouped. Measured on XLA:CPU (docs/performance.md, "Grouped GEMMs and convolutions").
+DENSE_GROUPS = 8
+
+
+def _grouped_gemm_lines(a, b_lines, rest: Sequence, params: dict) -> jax.Array | None:
+    """A grouped GEMM of ``a`` (``[M, K]``) and a ``B`` of line sums, as a gather or a segment
+    sum of ``a``'s rows by group (one pass over ``a``), where JAX computes the primitive as a
+    dense masked GEMM over the groups (XLA:CPU); None for a mode this does not cover (batch
+    axes, a group offset): the primitive then.
+
+    Rows grouped (``[G, K, 1]`` lines of ``B``): ``lines[m] = a[m]·b[group(m)]``, ``[M, 1]``.
+    Contraction grouped (``[M, 1]``): ``lines[g, k] = Σ_{m in g} a[m, k]·b[m]``, ``[G, K, 1]``.
+    Rows in no group give zeros, as the primitive does.
+    """
+    numbers = params["ragged_dot_dimension_numbers"]
+    (lhs_contracting, rhs_contracting), (lhs_batch, _) = numbers.dot_dimension_numbers
+    if a.ndim != 2 or lhs_batch or len(rest) != 1 or numbers.lhs_ragged_dimensions != (0,):
+        return None
+    (group_sizes,) = rest
+    rows = a.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    group = jnp.searchsorted(ends, jnp.arange(rows), side="right")  # G for rows in no group
+    if lhs_contracting == (1,) and numbers.rhs_group_dimensions == (0,):
+        (k_axis,) = rhs_contracting  # B's lines: [G, K, 1] with K at k_axis
+        per_group = jnp.moveaxis(b_lines, (0, k_axis), (0, 1)).reshape(b_lines.shape[0], -1)
+        line = jnp.take(per_group, group, axis=0, mode="fill", fill_value=0)  # [M, K]
+        return jnp.sum(a * line, axis=1, keepdims=True)
+    if lhs_contracting == (0,) and not numbers.rhs_group_dimensions and rhs_contracting == (0,):
+        weighted = a * b_lines.reshape(rows, 1)  # [M, K]
+        summed = jax.ops.segment_sum(weighted, group, num_segments=group_sizes.shape[0])
+        return summed[..., None]  # [G, K, 1]
+    return None
+
+
+def _block_diagonal(kernel: jax.Array, in_axis: int, out_axis: int) -> jax.Array:
+    """A grouped convolution's kernel of one output feature per group as an ungrouped one:
+    ``[.., I/G, G]`` (feature groups of consecutive input features) to ``[.., I, G]``, zero
+    outside each group's block."""
+    groups, per_group = kernel.shape[out_axis], kernel.shape[in_axis]
+    tiled = jnp.concatenate([kernel] * groups, axis=in_axis)
+    group_of_input = jnp.arange(groups * per_group) // per_group
+    mask = group_of_input[:, None] == jnp.arange(groups)[None, :]  # [I, G]
+    shape = [1] * kernel.ndim
+    shape[in_axis], shape[out_axis] = groups * per_group, groups
+    if in_axis > out_axis:
+        mask = mask.T
+    return jnp.where(mask.reshape(shape), tiled, 0.0)
+
+
+def _diagonal(every: jax.Array, batch_axis: int, feature_axis: int, groups: int) -> jax.Array:
+    """From a convolution computed over all batch groups, ``[B, .., G]`` (its batch ``G``
+    blocks of ``B / G``), the block each feature's own group gives: ``[B / G, .., G]``."""
+    x = jnp.moveaxis(every, (batch_axis, feature_axis), (0, 1))  # [B, G, ...]
+    x = x.reshape(groups, x.shape[0] // groups, *x.shape[1:])  # [G, B/G, G, ...]
+    x = jnp.diagonal(x, axis1=0, axis2=2)  # [B/G, ..., G]
+    x = jnp.moveaxis(x, -1, 1)  # [B/G, G, ...]
+    return jnp.moveaxis(x, (0, 1), (batch_axis, feature_axis))
 
 
 class PrimitiveGemm(NamedTuple):
@@ -112,11 +171,30 @@ class PrimitiveGemm(NamedTuple):
 
     def lines(self, a32, b32_lines, rest: Sequence) -> jax.Array:
         """The primitive on float32 ``a`` and a ``B`` of line sums: one value per line of
-        ``C``, exact to float32's round-off."""
+        ``C``, exact to float32's round-off.
+
+        A convolution of a few groups (:data:`DENSE_GROUPS`) runs ungrouped: XLA:CPU computes
+        a grouped convolution of one output feature per group several times slower than a
+        dense one of as many outputs, and a batch-grouped one (a grouped convolution's kernel
+        gradient) slower than the step's own GEMMs together.
+        """
         params = dict(
             self.params, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
         )
-        return self.primitive.bind(a32, b32_lines, *rest, **params)
+        if self.primitive.name == "ragged_dot_general":
+            by_rows = _grouped_gemm_lines(a32, b32_lines, rest, params)
+            if by_rows is not None:
+                return by_rows
+        if self.primitive.name != "conv_general_dilated" or not 1 < self.groups <= DENSE_GROUPS:
+            return self.primitive.bind(a32, b32_lines, *rest, **params)
+        numbers = params["dimension_numbers"]
+        if params["feature_group_count"] > 1:
+            dense = _block_diagonal(b32_lines, numbers.rhs_spec[1], numbers.rhs_spec[0])
+            return self.primitive.bind(a32, dense, **dict(params, feature_group_count=1))
+        # Batch groups: every output feature (one per group) from every batch group, then
+        # each group's own, the diagonal (a batch group is a block of consecutive rows).
+        every = self.primitive.bind(a32, b32_lines, **dict(params, batch_group_count=1))
+        return _diagonal(every, numbers.out_spec[0], numbers.out_spec[1], self.groups)
 
 
 def primitive_verdict(

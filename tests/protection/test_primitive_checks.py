@@ -340,3 +340,73 @@ def test_grouped_gemms_and_convolutions_sharded_on_8_devices(how, primitive):
     expected = 8 if how == "shard_map" else 1  # a plan strikes every device's block
     np.testing.assert_array_equal(report[site], [expected, expected, 0, 0])
     np.testing.assert_allclose(out, jax.jit(fn)(lhs, rhs), rtol=1e-6, atol=1e-6)
+
+
+def _equations(fn, *args, primitive):
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    return [e for e in jaxpr.eqns if e.primitive.name == primitive]
+
+
+def _lines_both_ways(eqn, rest=()):
+    """The check's line sums of ``eqn`` (its fast path, if any) and the primitive's own."""
+    gemm = primitive_checks.PrimitiveGemm.of(eqn)
+    a = jax.random.normal(jax.random.key(8), eqn.invars[0].aval.shape)
+    b = jax.random.normal(jax.random.key(9), eqn.invars[1].aval.shape)
+    b_lines = gemm.line_sums(b, gemm.rhs_free)
+    params = dict(
+        gemm.params, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
+    return gemm.lines(a, b_lines, rest), eqn.primitive.bind(a, b_lines, *rest, **params)
+
+
+def test_a_grouped_gemms_lines_from_its_rows_by_group_equal_the_primitives():
+    # Rows grouped (forward, input gradient) and contraction grouped (weight gradient), with
+    # an empty group and rows in no group.
+    sizes = jnp.array([3, 0, 4, 2], jnp.int32)  # 9 of 11 rows
+
+    def loss(x, w):
+        return jnp.sum(jax.lax.ragged_dot(x, w, sizes) ** 2)
+
+    x, w = jnp.ones((11, 6)), jnp.ones((4, 6, 5))
+    eqns = _equations(jax.grad(loss, (0, 1)), x, w, primitive="ragged_dot_general")
+    assert len(eqns) == 3
+    for eqn in eqns:
+        fast, primitive = _lines_both_ways(eqn, (sizes,))
+        assert fast.shape == primitive.shape
+        np.testing.assert_allclose(fast, primitive, rtol=1e-5, atol=1e-5)
+
+
+def test_a_grouped_convolutions_lines_computed_ungrouped_equal_the_primitives():
+    # Feature groups (forward, input gradient) and batch groups (the kernel's gradient).
+    def loss(x, w):
+        out = jax.lax.conv_general_dilated(x, w, (2, 1), "SAME", feature_group_count=4)
+        return jnp.sum(out**2)
+
+    x, w = jnp.ones((3, 8, 7, 6)), jnp.ones((12, 2, 3, 2))
+    eqns = _equations(jax.grad(loss, (0, 1)), x, w, primitive="conv_general_dilated")
+    counts = sorted((e.params["feature_group_count"], e.params["batch_group_count"]) for e in eqns)
+    assert counts == [(1, 4), (4, 1), (4, 1)]
+    for eqn in eqns:
+        ungrouped, primitive = _lines_both_ways(eqn)
+        np.testing.assert_allclose(ungrouped, primitive, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_grouped_gemm_with_batch_axes_is_checked_and_corrected_by_the_primitive(dtype):
+    # A mode the row-by-group path does not cover: the check calls the primitive itself.
+    sizes = jnp.array([[4, 6], [5, 5], [1, 9]], jnp.int32)
+    numbers = jax.lax.RaggedDotDimensionNumbers((([2], [2]), ([0], [0])), [1], [1])
+
+    def loss(lhs, rhs):
+        return jnp.sum(jnp.sin(jax.lax.ragged_dot_general(lhs, rhs, sizes, numbers)))
+
+    step = jax.grad(loss, (0, 1))
+    lhs = jax.random.normal(jax.random.key(0), (3, 10, 8)).astype(dtype)
+    rhs = jax.random.normal(jax.random.key(1), (3, 2, 8, 5)).astype(dtype)
+    sites = [s.name for s in list_sites(step, lhs, rhs)]
+    assert len(sites) == 3
+    expected = jax.jit(step)(lhs, rhs)
+    for site in sites:
+        out, report = run_with(only(site, "nan", index=11), step, lhs, rhs)
+        np.testing.assert_array_equal(report[site], [1, 1, 0, 0])
+        jax.tree.map(lambda p, q: assert_close(p, q, dtype), out, expected)
