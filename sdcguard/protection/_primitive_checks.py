@@ -149,12 +149,12 @@ class PrimitiveGemm(NamedTuple):
             **common,
         )
 
-    def compute(self, a, b, rest: Sequence, *, pinned: bool = True) -> jax.Array:
+    def compute(self, a, b, rest: Sequence) -> jax.Array:
         """The equation on ``a``, ``b`` (and the rest of its operands) in ``C``'s dtype; where
         the backend would not sum a bf16/fp16 contraction in float32 (XLA:CPU), from float32
         copies of the operands, rounded once (as a checked ``dot_general`` is computed)."""
         dtype = jnp.result_type(a, b)
-        if pinned and pins_accumulation(dtype, self.out_dtype):
+        if pins_accumulation(dtype, self.out_dtype):
             params = dict(self.params, preferred_element_type=jnp.float32)
             wide = (a.astype(jnp.float32), b.astype(jnp.float32))
             return self.primitive.bind(*wide, *rest, **params).astype(self.out_dtype)

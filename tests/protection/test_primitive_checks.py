@@ -168,50 +168,60 @@ def test_every_repair_strategy_corrects_every_kind_of_fault(model_kind, site, re
     jax.tree.map(lambda a, b: assert_close(a, b, jnp.bfloat16), out, jax.jit(step)(params, x))
 
 
-def test_recompute_on_detection_corrects_a_grouped_gemm():
-    model, params, x = model_and_batch(jnp.float32)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("model_kind", "site"), [
+    ("moe", "moe/wi:ragged_dot_general"), ("conv", "mix:conv_general_dilated"),
+])  # fmt: skip
+def test_recompute_on_detection_corrects_a_grouped_gemm_or_convolution(model_kind, site, dtype):
+    model, params, x = model_and_batch(dtype, model_kind)
     step = train_step(model)
-    site = "moe/wi:ragged_dot_general"
     out, report = run_with(only(site), step, params, x, config=ABFTConfig(recompute=True))
     # The first computation only detects: the INF reaches the GEMMs downstream, whose checks
     # detect it too; the step computed again is clean, and every detection counts corrected.
     np.testing.assert_array_equal(report[site], [1, 1, 0, 0])
     detected, corrected, *_ = total(report)
     assert detected == corrected > 1 and np.all(total(report)[2:] == 0)
-    jax.tree.map(lambda a, b: assert_close(a, b, jnp.float32), out, jax.jit(step)(params, x))
+    jax.tree.map(lambda a, b: assert_close(a, b, dtype), out, jax.jit(step)(params, x))
 
 
-def test_detection_only_counts_and_passes_the_output_on():
-    model, params, x = model_and_batch(jnp.float32)
-    site = "moe/wi:ragged_dot_general"
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("model_kind", "site"), [
+    ("moe", "moe/wi:ragged_dot_general"), ("conv", "mix:conv_general_dilated"),
+])  # fmt: skip
+def test_detection_only_counts_and_passes_the_output_on(model_kind, site, dtype):
+    model, params, x = model_and_batch(dtype, model_kind)
     config = ABFTConfig(correct=False)
     (loss, _), report = run_with(only(site), train_step(model), params, x, config=config)
     np.testing.assert_array_equal(report[site], [1, 0, 1, 0])
     assert not np.isfinite(loss)
 
 
-def test_a_nonfinite_input_is_counted_as_such_and_not_corrected():
-    rhs = jax.random.normal(jax.random.key(2), (3, 8, 5))
-    lhs = jax.random.normal(jax.random.key(3), (10, 8)).at[4, 2].set(jnp.nan)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_nonfinite_input_is_counted_as_such_and_not_corrected(dtype):
+    rhs = jax.random.normal(jax.random.key(2), (3, 8, 5)).astype(dtype)
+    lhs = jax.random.normal(jax.random.key(3), (10, 8)).at[4, 2].set(jnp.nan).astype(dtype)
     sizes = jnp.array([3, 3, 4], jnp.int32)
     out, report = jax.jit(sdcguard.checked(jax.lax.ragged_dot))(lhs, rhs, sizes)
     np.testing.assert_array_equal(total(report), [1, 0, 0, 1])
     assert np.isnan(out[4]).all() and np.isfinite(np.delete(np.asarray(out), 4, axis=0)).all()
 
 
-def test_a_recomputation_that_fails_its_check_is_uncorrectable_and_left_as_it_was(monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_recomputation_that_fails_its_check_is_uncorrectable_and_left_as_it_was(
+    monkeypatch, dtype
+):
     # Hardware that corrupts the recomputation too: the repair must not take its rows.
     compute = primitive_checks.PrimitiveGemm.compute
     calls = []
 
-    def corrupting_the_second(self, a, b, rest, **kw):
-        out = compute(self, a, b, rest, **kw)
+    def corrupting_the_second(self, a, b, rest):
+        out = compute(self, a, b, rest)
         calls.append(1)
         return out if len(calls) == 1 else out.at[0, 1].add(100.0)
 
     monkeypatch.setattr(primitive_checks.PrimitiveGemm, "compute", corrupting_the_second)
-    rhs = jax.random.normal(jax.random.key(2), (3, 8, 5))
-    lhs = jax.random.normal(jax.random.key(3), (10, 8))
+    rhs = jax.random.normal(jax.random.key(2), (3, 8, 5)).astype(dtype)
+    lhs = jax.random.normal(jax.random.key(3), (10, 8)).astype(dtype)
     sizes = jnp.array([3, 3, 4], jnp.int32)
     site = "fn:ragged_dot_general"
     out, report = run_with(only(site, index=2), jax.lax.ragged_dot, lhs, rhs, sizes)
