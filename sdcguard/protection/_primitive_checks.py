@@ -61,13 +61,15 @@ def _grouped_gemm_lines(a, b_lines, rest: Sequence, params: dict) -> jax.Array |
     rows = a.shape[0]
     ends = jnp.cumsum(group_sizes)
     group = jnp.searchsorted(ends, jnp.arange(rows), side="right")  # G for rows in no group
+    # A row in no group (padding) is read by nothing, whatever it holds (NaN included).
+    in_a_group = (group < group_sizes.shape[0])[:, None]
     if lhs_contracting == (1,) and numbers.rhs_group_dimensions == (0,):
         (k_axis,) = rhs_contracting  # B's lines: [G, K, 1] with K at k_axis
         per_group = jnp.moveaxis(b_lines, (0, k_axis), (0, 1)).reshape(b_lines.shape[0], -1)
         line = jnp.take(per_group, group, axis=0, mode="fill", fill_value=0)  # [M, K]
-        return jnp.sum(a * line, axis=1, keepdims=True)
+        return jnp.sum(jnp.where(in_a_group, a * line, 0.0), axis=1, keepdims=True)
     if lhs_contracting == (0,) and not numbers.rhs_group_dimensions and rhs_contracting == (0,):
-        weighted = a * b_lines.reshape(rows, 1)  # [M, K]
+        weighted = jnp.where(in_a_group, a * b_lines.reshape(rows, 1), 0.0)  # [M, K]
         summed = jax.ops.segment_sum(weighted, group, num_segments=group_sizes.shape[0])
         return summed[..., None]  # [G, K, 1]
     return None

@@ -420,3 +420,22 @@ def test_a_grouped_gemm_with_batch_axes_is_checked_and_corrected_by_the_primitiv
         out, report = run_with(only(site, "nan", index=11), step, lhs, rhs)
         np.testing.assert_array_equal(report[site], [1, 1, 0, 0])
         jax.tree.map(lambda p, q: assert_close(p, q, dtype), out, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_in_no_group_are_read_by_nothing_not_even_their_nans(dtype):
+    # Padded tokens (NaN hidden states, say) sorted last and left out of the group sizes: the
+    # grouped GEMM never reads them, and neither does its check (no alarm, no nonfinite input).
+    sizes = jnp.array([3, 4], jnp.int32)  # 7 of 10 rows
+    x = jax.random.normal(jax.random.key(0), (10, 8)).at[7:].set(jnp.nan).astype(dtype)
+    w = jax.random.normal(jax.random.key(1), (2, 8, 5)).astype(dtype)
+
+    def loss(w, x):
+        y = jax.lax.ragged_dot(x, w, sizes)
+        return jnp.sum(y[:7].astype(jnp.float32) ** 2)
+
+    step = jax.value_and_grad(loss)
+    out, report = jax.jit(sdcguard.checked(step))(w, x)
+    np.testing.assert_array_equal(total(report), [0, 0, 0, 0])
+    assert len(report) == 2  # the forward GEMM and the weight gradient
+    jax.tree.map(lambda p, q: assert_close(p, q, dtype), out, jax.jit(step)(w, x))
