@@ -124,33 +124,45 @@ def _pair_backward(gemms: list[Gemm], forward_by_key: dict) -> dict[int, tuple[G
     ``None`` for the forward GEMM where the operands do not tell (the caller pairs by order).
 
     ``dA = g·Bᵀ`` reads B and ``dB = Aᵀ·g`` reads A, the very values of the forward GEMM when
-    nothing was rematerialised. A weight B is read by one forward GEMM, so ``dA`` pairs first;
-    an input A read by several (a gate and an up projection of the same ``x``) is told apart by
-    the cotangent ``g``, which ``dB`` shares with its ``dA``. Otherwise the output shape tells
-    which side it is, when lhs and rhs differ.
+    nothing was rematerialised; both read the output's cotangent ``g``. A gradient that only
+    one forward GEMM can have is paired first; where several could (an input A read by a gate
+    and an up projection, a weight B applied twice in a loop), the one whose other gradient
+    read the same cotangent is taken. Otherwise the output shape tells which side it is, when
+    lhs and rhs differ.
     """
     pairs: dict[int, tuple[Gemm | None, str]] = {}
-    cotangent: dict[int, object] = {}  # forward GEMM index -> its output's cotangent
-    for g in gemms:
+    cotangent: dict[tuple[int, str], object] = {}  # (forward index, side) -> its cotangent
+
+    def candidates(g: Gemm, side: str) -> list[Gemm]:
         ops = set(g.operands)
-        for fwd in forward_by_key.get(g.key, []):
-            lhs, rhs = fwd.operands
-            if rhs in ops and lhs not in ops:
-                pairs[g.index] = (fwd, "grad_lhs")
-                cotangent.setdefault(fwd.index, next(iter(ops - {rhs}), None))
-                break
+        read, other = (1, 0) if side == "grad_lhs" else (0, 1)
+        forwards = forward_by_key.get(g.key, [])
+        return [f for f in forwards if f.operands[read] in ops and f.operands[other] not in ops]
+
+    def pair(g: Gemm, fwd: Gemm, side: str) -> None:
+        pairs[g.index] = (fwd, side)
+        read = fwd.operands[1 if side == "grad_lhs" else 0]
+        cotangent.setdefault((fwd.index, side), next(iter(set(g.operands) - {read}), None))
+
+    # A gradient GEMM reads one operand of its forward GEMM and not the other: dA first, as a
+    # weight is read by one forward GEMM, unless a loop applies it again.
+    for side in ("grad_lhs", "grad_rhs"):
+        for g in gemms:
+            found = candidates(g, side) if g.index not in pairs else []
+            if len(found) == 1:
+                pair(g, found[0], side)
+    for side, other in (("grad_lhs", "grad_rhs"), ("grad_rhs", "grad_lhs")):
+        for g in gemms:
+            found = candidates(g, side) if g.index not in pairs else []
+            if found:
+                ops = set(g.operands)
+                by_cotangent = [f for f in found if cotangent.get((f.index, other)) in ops]
+                pair(g, (by_cotangent or found)[0], side)
     for g in gemms:
         if g.index in pairs:
             continue
-        ops = set(g.operands)
-        forwards = forward_by_key.get(g.key, [])
-        reading = [f for f in forwards if f.operands[0] in ops and f.operands[1] not in ops]
-        if reading:
-            fwd = next((f for f in reading if cotangent.get(f.index) in ops), reading[0])
-            pairs[g.index] = (fwd, "grad_rhs")
-            continue
         out, side = sorted(g.out_shape), ""
-        for fwd in forwards:
+        for fwd in forward_by_key.get(g.key, []):
             lhs, rhs = sorted(fwd.lhs_shape), sorted(fwd.rhs_shape)
             if out == lhs != rhs:
                 side = "grad_lhs"

@@ -294,6 +294,40 @@ def test_a_weight_read_twice_counts_its_uses():
     assert forward == ["embed:dot_general", "embed:dot_general_1"]
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_weight_applied_twice_in_a_loop_gives_each_gradient_its_own_name(grouped):
+    # ALBERT-style sharing: one weight, two forward GEMMs at one line of code. Each input
+    # gradient reads the weight and its own output's cotangent, which the weight gradient of
+    # the same forward GEMM reads too: that tells the two apart.
+    sizes = jnp.array([2, 2], jnp.int32)
+
+    def shared(params, x):
+        w = params["shared"]["w"]
+        x = x @ params["embed"]["kernel"]
+        for _ in range(2):
+            x = jax.lax.ragged_dot(x, w, sizes) if grouped else x @ w[0]
+            x = jnp.sin(x)
+        return x.sum()
+
+    params = {"shared": {"w": jnp.ones((2, 8, 8)) / 8}, "embed": {"kernel": jnp.ones((8, 8))}}
+    step = jax.grad(shared)
+    names = [s.name for s in sdcguard.list_sites(step, params, X)]
+    assert len(names) == len(set(names)) == 8, names
+    kind = "ragged_dot_general" if grouped else "dot_general"
+    for d in ("", ".grad_lhs", ".grad_rhs"):
+        assert f"shared:{kind}{d}" in names and f"shared:{kind}_1{d}" in names
+    for site in [n for n in names if n.startswith("shared:") and n.endswith(".grad_lhs")]:
+        plan = FaultPlan.from_faults([Fault(site=site, kind="nan", index=3)], capacity=2)
+
+        @jax.jit
+        def go(plan, params, x):
+            with sdcguard.faults(plan):
+                return sdcguard.checked(step)(params, x)
+
+        _, report = go(plan, params, X)
+        np.testing.assert_array_equal(report[site], [1, 1, 0, 0])  # struck once, not twice
+
+
 def test_a_scanned_layer_stack_is_one_site_per_module():
     def stack(params, x):
         def layer(h, p):
