@@ -1,9 +1,10 @@
 """What checking grouped GEMMs and convolutions costs: a training step's time ÷ the plain step's.
 
-Two linen models, their loss and gradients (``jax.value_and_grad``) under ``sdcguard.checked``:
+Three linen models, their loss and gradients (``jax.value_and_grad``) under ``sdcguard.checked``:
 a mixture-of-experts MLP (top-1 routing, tokens sorted by expert, one ``jax.lax.ragged_dot``
-per expert weight) and a small convolutional network (a 3x3 convolution, a strided one, a
-grouped one, a linear head). Each is timed plain, with every GEMM checked in place and detect
+per expert weight), a small convolutional network (a 3x3 convolution, a strided one, a
+grouped one, a linear head) and a MobileNet-style one (depthwise 3x3 and pointwise 1x1
+convolutions). Each is timed plain, with every GEMM checked in place and detect
 only, interleaved in one process (``timing.py``); the ratios are medians of per-round ratios.
 
     python scripts/bench_primitive_checks.py --out runs/bench_primitive_checks.json
@@ -31,8 +32,8 @@ from sdcguard.protection import ABFTConfig
 
 SIZES = {
     # tokens, d, hidden, experts / batch, image side, channels
-    "tiny": {"moe": (64, 16, 32, 4), "conv": (2, 8, 8)},
-    "bench": {"moe": (1024, 128, 512, 8), "conv": (16, 32, 32)},
+    "tiny": {"moe": (64, 16, 32, 4), "conv": (2, 8, 8), "depthwise": (2, 8, 8)},
+    "bench": {"moe": (1024, 128, 512, 8), "conv": (16, 32, 32), "depthwise": (16, 32, 64)},
 }
 VARIANTS = {
     "plain": None,
@@ -74,14 +75,31 @@ class ConvNet(nn.Module):
         return nn.Dense(10, dtype=self.dtype, name="head")(x.mean(axis=(1, 2)))
 
 
+class DepthwiseNet(nn.Module):
+    channels: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):  # [batch, side, side, 3]
+        c = self.channels
+        x = nn.relu(nn.Conv(c, (3, 3), dtype=self.dtype, name="conv_in")(x))
+        for i in range(2):
+            h = nn.Conv(c, (3, 3), feature_group_count=c, dtype=self.dtype, name=f"dw_{i}")(x)
+            x = x + nn.Conv(c, (1, 1), dtype=self.dtype, name=f"pw_{i}")(nn.relu(h))
+        return nn.Dense(10, dtype=self.dtype, name="head")(x.mean(axis=(1, 2)))
+
+
+MODELS = ("moe", "conv", "depthwise")
+
+
 def model_and_batch(kind: str, size: str, dtype):
     if kind == "moe":
         tokens, d, hidden, experts = SIZES[size]["moe"]
         model = MoE(experts, hidden, dtype)
         x = jax.random.normal(jax.random.key(1), (tokens, d))
     else:
-        batch, side, channels = SIZES[size]["conv"]
-        model = ConvNet(channels, dtype)
+        batch, side, channels = SIZES[size][kind]
+        model = (ConvNet if kind == "conv" else DepthwiseNet)(channels, dtype)
         x = jax.random.normal(jax.random.key(1), (batch, side, side, 3))
     params = model.init(jax.random.key(0), x)
     return model, params, x.astype(dtype)
@@ -119,11 +137,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--inner", type=int, default=3, help="steps per timing")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     dtype = jnp.dtype(args.dtype)
     results = {}
-    for kind in ("moe", "conv"):
+    for kind in args.models:
         fns = step_fns(kind, args.size, dtype)
         for fn in fns.values():
             jax.block_until_ready(fn())  # a first call, untimed
@@ -132,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name, r in results[kind].items():
             q1, q3 = r["overhead_iqr"]
             print(
-                f"{kind:5s} {name:22s} {r['median_s'] * 1e3:9.2f} ms  "
+                f"{kind:9s} {name:22s} {r['median_s'] * 1e3:9.2f} ms  "
                 f"x{1 + r['overhead']:.3f} (IQR x{1 + q1:.3f}..x{1 + q3:.3f})"
             )
     report = {
@@ -143,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         "jax": jax.__version__,
         "device": jax.devices()[0].device_kind,
         "size": args.size,
-        "sizes": SIZES[args.size],
+        "sizes": {kind: SIZES[args.size][kind] for kind in args.models},
         "dtype": args.dtype,
         "rounds": args.rounds,
         "results": results,

@@ -21,7 +21,7 @@ def test_the_tiny_run_times_each_variant_of_both_models_against_the_plain_step(
     report = json.loads(out.read_text())
     assert report["command"].startswith("python scripts/bench_primitive_checks.py --size tiny")
     assert report["commit"] and report["device"] and report["jax"]
-    for model in ("moe", "conv"):
+    for model in bench.MODELS:
         results = report["results"][model]
         assert set(results) == set(bench.VARIANTS)
         assert results["plain"]["overhead"] == 0.0

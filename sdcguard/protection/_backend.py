@@ -25,6 +25,16 @@ def reductions_share_a_pass(backend: str | None = None) -> bool:
     return (backend or jax.default_backend()) != "cpu"
 
 
+def ungrouped_convolution_groups(backend: str | None = None) -> int:
+    """Up to how many groups a convolution's check runs as one ungrouped convolution.
+
+    64 on XLA:CPU, which computes grouped convolutions several times slower than dense ones
+    of as many outputs (docs/performance.md, "Grouped GEMMs and convolutions"); 1 elsewhere
+    (cuDNN runs grouped convolutions as they are; not measured).
+    """
+    return 64 if (backend or jax.default_backend()) == "cpu" else 1
+
+
 def input_rounding(dtype, precision=None, backend: str | None = None) -> float:
     """Unit round-off of the backend's rounding of matmul inputs (0 when exact).
 

@@ -29,6 +29,7 @@ from jax import lax
 
 from sdcguard import fault_model
 from sdcguard.fault_model import FaultPlan
+from sdcguard.protection._backend import ungrouped_convolution_groups
 from sdcguard.protection._checks import Verdict, apply_verdicts, check_scope
 from sdcguard.protection._checksums import RowCheck, power_of_two_below
 from sdcguard.protection._config import ABFTConfig, count_outcomes
@@ -37,10 +38,6 @@ from sdcguard.protection._tolerance import narrower_than_float32
 
 # The primitives this module checks: each is a GEMM to the walk (``_walk.GEMM_PRIMITIVES``).
 CHECKED_PRIMITIVES = ("ragged_dot_general", "conv_general_dilated")
-# A convolution's check of at most this many groups runs ungrouped (:meth:`PrimitiveGemm.lines`):
-# its work grows with the groups, and a depthwise convolution's (one group per feature) stays
-# grouped. Measured on XLA:CPU (docs/performance.md, "Grouped GEMMs and convolutions").
-DENSE_GROUPS = 8
 
 
 def _grouped_gemm_lines(a, b_lines, rest: Sequence, params: dict) -> jax.Array | None:
@@ -175,10 +172,11 @@ class PrimitiveGemm(NamedTuple):
         """The primitive on float32 ``a`` and a ``B`` of line sums: one value per line of
         ``C``, exact to float32's round-off.
 
-        A convolution of a few groups (:data:`DENSE_GROUPS`) runs ungrouped: XLA:CPU computes
-        a grouped convolution of one output feature per group several times slower than a
-        dense one of as many outputs, and a batch-grouped one (a grouped convolution's kernel
-        gradient) slower than the step's own GEMMs together.
+        A grouped convolution runs ungrouped where the backend computes grouped ones slowly
+        (XLA:CPU, up to :func:`ungrouped_convolution_groups` groups): there a grouped
+        convolution of one output feature per group took several times a dense one of as many
+        outputs, and a batch-grouped one (a grouped convolution's kernel gradient) longer than
+        the step's own GEMMs together.
         """
         params = dict(
             self.params, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
@@ -187,7 +185,8 @@ class PrimitiveGemm(NamedTuple):
             by_rows = _grouped_gemm_lines(a32, b32_lines, rest, params)
             if by_rows is not None:
                 return by_rows
-        if self.primitive.name != "conv_general_dilated" or not 1 < self.groups <= DENSE_GROUPS:
+        ungrouped = 1 < self.groups <= ungrouped_convolution_groups()
+        if self.primitive.name != "conv_general_dilated" or not ungrouped:
             return self.primitive.bind(a32, b32_lines, *rest, **params)
         numbers = params["dimension_numbers"]
         if params["feature_group_count"] > 1:
