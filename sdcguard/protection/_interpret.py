@@ -256,20 +256,22 @@ class Evaluator:
         # and list_sites says so (_not_run_checked).
         return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params)), {}
 
+    def _unchecked_gemm(self, eqn, invals, name: str):
+        """A GEMM that runs unchecked, as it is. A fault strikes a GEMM whether or not it is
+        checked: an unchecked floating GEMM keeps its injection point (a campaign's
+        unprotected baseline is ``include=()``)."""
+        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+        if all(checkable_dtype(x.dtype) for x in invals[:2]):
+            out = inject.apply(out, self.plan(name, out), name)
+        return out, {}
+
     # dot_general: the GEMM, its injection point and its check.
     def _dot_general(self, eqn, invals):
         name, _ = self.names[id(eqn)]
         lhs, rhs = invals
-        why = self.why[id(eqn)]
+        if self.why[id(eqn)]:
+            return self._unchecked_gemm(eqn, invals, name)
         params = eqn.primitive.get_bind_params(eqn.params)
-        if why:
-            out = eqn.primitive.bind(lhs, rhs, **params)
-            if all(checkable_dtype(x.dtype) for x in invals):
-                # A fault strikes a GEMM whether or not it is checked: an unchecked floating
-                # GEMM keeps its injection point (a campaign's unprotected baseline is
-                # ``include=()``).
-                out = inject.apply(out, self.plan(name, out), name)
-            return out, {}
         dimension_numbers = params["dimension_numbers"]
         contraction = Contraction.from_dot_general(lhs.ndim, rhs.ndim, dimension_numbers)
         mesh = sharding.device_mesh(lhs, rhs) if self.sharded else None
@@ -299,11 +301,7 @@ class Evaluator:
     def _checked_by_primitive(self, eqn, invals):
         name, _ = self.names[id(eqn)]
         if self.why[id(eqn)]:
-            params = eqn.primitive.get_bind_params(eqn.params)
-            out = eqn.primitive.bind(*invals, **params)
-            if all(checkable_dtype(x.dtype) for x in invals[:2]):
-                out = inject.apply(out, self.plan(name, out), name)
-            return out, {}
+            return self._unchecked_gemm(eqn, invals, name)
         out, counts = checked_primitive_gemm(
             eqn, invals, site=name, config=self.config, plan=self.plan(name, invals[0])
         )
