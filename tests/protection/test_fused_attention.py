@@ -24,6 +24,7 @@ from sdcguard.fault_model import Fault, FaultPlan
 from sdcguard.protection import _fused_attention as fused_attention
 from sdcguard.protection._walk import sub_jaxprs
 
+from tests.helpers.checked_runs import run_with
 from tests.helpers.multidevice import needs_8, run_on_8_devices
 
 B, T, H, D = 2, 64, 2, 32
@@ -73,15 +74,6 @@ def _close(actual, expected, dtype):
     actual, expected = (np.asarray(x, np.float32) for x in (actual, expected))
     scale = max(1.0, float(np.max(np.abs(expected))))
     np.testing.assert_allclose(actual, expected, rtol=0, atol=TOL[jnp.dtype(dtype)] * scale)
-
-
-def run_with(plan, fn, *args, config=None):
-    @jax.jit
-    def go(plan, *args):
-        with sdcguard.faults(plan):
-            return sdcguard.checked(fn, config)(*args)
-
-    return go(plan, *args)
 
 
 def _primitives(fn, *args) -> set[str]:

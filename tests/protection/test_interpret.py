@@ -17,6 +17,7 @@ import sdcguard
 from sdcguard.fault_model import Fault, FaultPlan
 from sdcguard.protection import ABFTConfig, list_sites, total, unsafe_checks
 
+from tests.helpers.checked_runs import run_with
 from tests.helpers.multidevice import needs_8, run_on_8_devices
 from tests.helpers.tolerances import assert_close
 
@@ -36,15 +37,6 @@ def stack_loss(w, x):
 
 def grad_step(w, x):
     return jax.value_and_grad(stack_loss)(w, x)
-
-
-def run_with(plan, fn, *args, config=None):
-    @jax.jit
-    def go(plan, *args):
-        with sdcguard.faults(plan):
-            return sdcguard.checked(fn, config)(*args)
-
-    return go(plan, *args)
 
 
 def only(site, kind="inf", index=3, **fault):

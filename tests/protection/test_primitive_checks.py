@@ -8,6 +8,8 @@ of them is detected and corrected to the clean step, and what cannot be correcte
 never passed off.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ import sdcguard
 from sdcguard.fault_model import Fault, FaultPlan
 from sdcguard.protection import ABFTConfig, _primitive_checks as primitive_checks, list_sites, total
 
+from tests.helpers.checked_runs import run_with, with_plan
 from tests.helpers.multidevice import needs_8, run_on_8_devices
 from tests.helpers.tolerances import assert_close
 
@@ -81,13 +84,17 @@ def train_step(model):
     return jax.value_and_grad(loss)
 
 
-def run_with(plan, fn, *args, config=None):
-    @jax.jit
-    def go(plan, *args):
-        with sdcguard.faults(plan):
-            return sdcguard.checked(fn, config)(*args)
+@functools.cache
+def compiled_step(model_kind, dtype, config=None):
+    """The model's checked training step, compiled once for every fault plan of a capacity
+    (plans are data, as in a campaign), its arguments, and the plain step's result.
 
-    return go(plan, *args)
+    Returns:
+      ``(run, args, expected)``: ``run(plan, *args) -> ((loss, grads), report)``.
+    """
+    model, params, x = model_and_batch(dtype, model_kind)
+    step = train_step(model)
+    return with_plan(step, config), (params, x), jax.jit(step)(params, x)
 
 
 def only(site, kind="inf", index=3, **fault):
@@ -145,13 +152,12 @@ def test_a_clean_step_raises_no_alarm_and_equals_the_plain_step(model_kind, dtyp
 def test_a_fault_at_a_grouped_gemm_or_convolution_is_detected_and_corrected(
     model_kind, site, kind, dtype
 ):
-    model, params, x = model_and_batch(dtype, model_kind)
-    step = train_step(model)
+    run, args, expected = compiled_step(model_kind, dtype)
     bit = {jnp.float32: 30, jnp.bfloat16: 14, jnp.float16: 14}[dtype]
-    out, report = run_with(only(site, kind, index=37, bit=bit), step, params, x)
+    out, report = run(only(site, kind, index=37, bit=bit), *args)
     np.testing.assert_array_equal(report[site], [1, 1, 0, 0])
     np.testing.assert_array_equal(total(report), [1, 1, 0, 0])
-    jax.tree.map(lambda a, b: assert_close(a, b, dtype), out, jax.jit(step)(params, x))
+    jax.tree.map(lambda a, b: assert_close(a, b, dtype), out, expected)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -160,12 +166,10 @@ def test_a_fault_at_a_grouped_gemm_or_convolution_is_detected_and_corrected(
     ("moe", "moe/wo:ragged_dot_general.grad_rhs"), ("conv", "mix:conv_general_dilated.grad_lhs"),
 ])  # fmt: skip
 def test_every_repair_strategy_corrects_every_kind_of_fault(model_kind, site, repair, kind):
-    model, params, x = model_and_batch(jnp.bfloat16, model_kind)
-    step = train_step(model)
-    config = ABFTConfig(repair=repair)
-    out, report = run_with(only(site, kind, bit=14), step, params, x, config=config)
+    run, args, expected = compiled_step(model_kind, jnp.bfloat16, ABFTConfig(repair=repair))
+    out, report = run(only(site, kind, bit=14), *args)
     np.testing.assert_array_equal(report[site], [1, 1, 0, 0])
-    jax.tree.map(lambda a, b: assert_close(a, b, jnp.bfloat16), out, jax.jit(step)(params, x))
+    jax.tree.map(lambda a, b: assert_close(a, b, jnp.bfloat16), out, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -173,15 +177,14 @@ def test_every_repair_strategy_corrects_every_kind_of_fault(model_kind, site, re
     ("moe", "moe/wi:ragged_dot_general"), ("conv", "mix:conv_general_dilated"),
 ])  # fmt: skip
 def test_recompute_on_detection_corrects_a_grouped_gemm_or_convolution(model_kind, site, dtype):
-    model, params, x = model_and_batch(dtype, model_kind)
-    step = train_step(model)
-    out, report = run_with(only(site), step, params, x, config=ABFTConfig(recompute=True))
+    run, args, expected = compiled_step(model_kind, dtype, ABFTConfig(recompute=True))
+    out, report = run(only(site), *args)
     # The first computation only detects: the INF reaches the GEMMs downstream, whose checks
     # detect it too; the step computed again is clean, and every detection counts corrected.
     np.testing.assert_array_equal(report[site], [1, 1, 0, 0])
     detected, corrected, *_ = total(report)
     assert detected == corrected > 1 and np.all(total(report)[2:] == 0)
-    jax.tree.map(lambda a, b: assert_close(a, b, dtype), out, jax.jit(step)(params, x))
+    jax.tree.map(lambda a, b: assert_close(a, b, dtype), out, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -189,9 +192,8 @@ def test_recompute_on_detection_corrects_a_grouped_gemm_or_convolution(model_kin
     ("moe", "moe/wi:ragged_dot_general"), ("conv", "mix:conv_general_dilated"),
 ])  # fmt: skip
 def test_detection_only_counts_and_passes_the_output_on(model_kind, site, dtype):
-    model, params, x = model_and_batch(dtype, model_kind)
-    config = ABFTConfig(correct=False)
-    (loss, _), report = run_with(only(site), train_step(model), params, x, config=config)
+    run, args, _ = compiled_step(model_kind, dtype, ABFTConfig(correct=False))
+    (loss, _), report = run(only(site), *args)
     np.testing.assert_array_equal(report[site], [1, 0, 1, 0])
     assert not np.isfinite(loss)
 
@@ -415,9 +417,9 @@ def test_a_grouped_gemm_with_batch_axes_is_checked_and_corrected_by_the_primitiv
     rhs = jax.random.normal(jax.random.key(1), (3, 2, 8, 5)).astype(dtype)
     sites = [s.name for s in list_sites(step, lhs, rhs)]
     assert len(sites) == 3
-    expected = jax.jit(step)(lhs, rhs)
+    expected, run = jax.jit(step)(lhs, rhs), with_plan(step)
     for site in sites:
-        out, report = run_with(only(site, "nan", index=11), step, lhs, rhs)
+        out, report = run(only(site, "nan", index=11), lhs, rhs)
         np.testing.assert_array_equal(report[site], [1, 1, 0, 0])
         jax.tree.map(lambda p, q: assert_close(p, q, dtype), out, expected)
 
