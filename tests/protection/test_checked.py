@@ -275,10 +275,11 @@ def _marked(names):
 def _case(name: str) -> Case:
     step, args, sites = CASES[name]()
 
-    # One compilation serves every fault plan of a capacity: the sites below share it.
+    # One compilation serves every fault plan of a capacity: the sites below share it, and
+    # injection code is compiled at those sites alone.
     @jit
     def faulty(plan, *args):
-        with sdcguard.faults(plan):
+        with sdcguard.faults(plan), restrict_sites(set(sites.values())):
             return sdcguard.checked(step)(*args)
 
     return Case(step, args, sites, jit(step)(*args), faulty)

@@ -108,10 +108,11 @@ def lm(request):
     dtype = request.param
     step, args = lm_step(dtype)
     sites = list_sites(step, *args)
+    targets = set(pick_sites(sites).values())
 
     @jax.jit
     def faulty(plan, *args):
-        with sdcguard.faults(plan):
+        with sdcguard.faults(plan), restrict_sites(targets):  # injection where faulted alone
             return sdcguard.checked(step)(*args)
 
     plain = jax.jit(step)(*args)
