@@ -303,7 +303,12 @@ class Evaluator:
         if self.why[id(eqn)]:
             return self._unchecked_gemm(eqn, invals, name)
         out, counts = checked_primitive_gemm(
-            eqn, invals, site=name, config=self.config, plan=self.plan(name, invals[0])
+            eqn,
+            invals,
+            site=name,
+            config=self.config,
+            plan=self.plan(name, invals[0]),
+            sharded=self.sharded,
         )
         if self.sharded:
             # Checked on the global arrays (XLA partitions the check with the GEMM): the same

@@ -2,11 +2,13 @@
 
 A grouped GEMM (``ragged_dot_general``: ``jax.lax.ragged_dot``, the experts of a
 mixture-of-experts layer) and a convolution (``conv_general_dilated``) are contractions whose
-output is linear in the right operand ``B``. So the sums of ``C`` along the axes that come from
-``B``'s free axes (a grouped GEMM's output columns, a convolution's output features) are the
-same primitive applied to ``B`` summed along those axes: the expected line sums are the
-primitive again, one element wide where ``C`` is ``N`` wide, whatever its mode (rows or
-contraction grouped; strides, padding, dilation, feature or batch groups). The thresholds are
+output is linear in each operand. So the sums of ``C`` along the axes that come from ``B``'s
+free axes (a grouped GEMM's output columns, a convolution's output features) are the same
+primitive applied to ``B`` summed along those axes: the expected line sums are the primitive
+again, one element wide where ``C`` is ``N`` wide, whatever its mode (rows or contraction
+grouped; strides, padding, dilation, feature or batch groups). A convolution whose batch is
+longer than its output features per group (a depthwise one) is summed along ``A``'s batch
+instead: the primitive again on one example. The thresholds are
 the row check's (:class:`~sdcguard.protection._checksums.RowCheck`). A flagged output is computed
 again once, and its failed lines are taken from the recomputation when that passes the same
 check (docs/protection.md, "Grouped GEMMs and convolutions").
@@ -98,12 +100,19 @@ def _diagonal(every: jax.Array, batch_axis: int, feature_axis: int, groups: int)
 
 
 class PrimitiveGemm(NamedTuple):
-    """A contraction equation linear in its right operand, as its check reads it.
+    """A contraction equation linear in each operand, as its check reads it.
+
+    The check sums ``C`` along the output axes that one operand's free axes become, and
+    computes the same sums from that operand summed along those axes: ``B``'s (the output
+    columns or features, a line per row) where that is cheaper, else ``A``'s batch axis (a
+    line per output position, as long as the batch: a depthwise convolution, whose output
+    features are one per group).
 
     Attributes:
       primitive: the equation's primitive.
       params: its bind parameters.
-      rhs_free: the axes of ``B`` whose sums give ``C``'s line sums.
+      summed: which operand is summed: 0 for ``A``, 1 for ``B``.
+      free: the axes of that operand whose sums give ``C``'s line sums.
       out_free: the axes of ``C`` they become.
       groups: how many groups of consecutive elements one free axis keeps as separate lines
         (a grouped convolution's feature or batch groups; 1: the axes are summed whole).
@@ -113,35 +122,46 @@ class PrimitiveGemm(NamedTuple):
 
     primitive: object
     params: dict
-    rhs_free: tuple[int, ...]
+    summed: int
+    free: tuple[int, ...]
     out_free: tuple[int, ...]
     groups: int
     k: int
     out_dtype: jnp.dtype
 
     @classmethod
-    def of(cls, eqn) -> PrimitiveGemm:
-        """The check's view of a ``ragged_dot_general`` or ``conv_general_dilated`` equation."""
+    def of(cls, eqn, *, whole_batch: bool = True) -> PrimitiveGemm:
+        """The check's view of a ``ragged_dot_general`` or ``conv_general_dilated`` equation.
+
+        ``whole_batch``: whether the step holds each batch whole (False in a sharded step,
+        where a sum along the batch would be a collective: lines along ``B`` then).
+        """
         params = eqn.primitive.get_bind_params(eqn.params)
-        rhs, out = eqn.invars[1].aval, eqn.outvars[0].aval
+        lhs, rhs, out = eqn.invars[0].aval, eqn.invars[1].aval, eqn.outvars[0].aval
         common = dict(primitive=eqn.primitive, params=params, out_dtype=jnp.dtype(out.dtype))
         if eqn.primitive.name == "conv_general_dilated":
             numbers = params["dimension_numbers"]
             out_features = numbers.rhs_spec[0]
+            groups = max(params["feature_group_count"], params["batch_group_count"])
+            k = math.prod(rhs.shape) // max(rhs.shape[out_features], 1)
+            batch = lhs.shape[numbers.lhs_spec[0]]
+            per_group = out.shape[numbers.out_spec[1]] // groups
+            if whole_batch and _sums_the_batch(batch, per_group, params):
+                return cls(
+                    summed=0, free=(numbers.lhs_spec[0],), out_free=(numbers.out_spec[0],),
+                    groups=1, k=k, **common,
+                )  # fmt: skip
             return cls(
-                rhs_free=(out_features,),
-                out_free=(numbers.out_spec[1],),
-                groups=max(params["feature_group_count"], params["batch_group_count"]),
-                k=math.prod(rhs.shape) // max(rhs.shape[out_features], 1),
-                **common,
-            )
+                summed=1, free=(out_features,), out_free=(numbers.out_spec[1],),
+                groups=groups, k=k, **common,
+            )  # fmt: skip
         numbers = params["ragged_dot_dimension_numbers"]
         (lhs_contracting, rhs_contracting), (_, rhs_batch) = numbers.dot_dimension_numbers
         not_free = set(rhs_contracting) | set(rhs_batch) | set(numbers.rhs_group_dimensions)
         rhs_free = tuple(i for i in range(rhs.ndim) if i not in not_free)
-        lhs = eqn.invars[0].aval
         return cls(
-            rhs_free=rhs_free,
+            summed=1,
+            free=rhs_free,
             out_free=tuple(range(out.ndim - len(rhs_free), out.ndim)),  # they come last
             groups=1,
             k=math.prod(lhs.shape[i] for i in lhs_contracting),
@@ -168,34 +188,45 @@ class PrimitiveGemm(NamedTuple):
         split = (*shape[:axis], self.groups, shape[axis] // self.groups, *shape[axis + 1 :])
         return jnp.sum(x.reshape(split), axis=axis + 1)
 
-    def lines(self, a32, b32_lines, rest: Sequence) -> jax.Array:
-        """The primitive on float32 ``a`` and a ``B`` of line sums: one value per line of
-        ``C``, exact to float32's round-off.
+    def lines(self, a32, b32, rest: Sequence) -> jax.Array:
+        """The primitive on float32 operands, one of them summed along :attr:`free`
+        (:meth:`line_sums`): one value per line of ``C``, exact to float32's round-off.
 
-        A grouped convolution runs ungrouped where the backend computes grouped ones slowly
-        (XLA:CPU, up to :func:`ungrouped_convolution_groups` groups): there a grouped
-        convolution of one output feature per group took several times a dense one of as many
-        outputs, and a batch-grouped one (a grouped convolution's kernel gradient) longer than
-        the step's own GEMMs together.
+        With ``B`` summed, a grouped GEMM's lines are gathered or segment-summed by group
+        where the mode allows (:func:`_grouped_gemm_lines`), and a grouped convolution runs
+        ungrouped where the backend computes grouped ones slowly (XLA:CPU, up to
+        :func:`ungrouped_convolution_groups` groups): there a grouped convolution of one
+        output feature per group took several times a dense one of as many outputs, and a
+        batch-grouped one (a grouped convolution's kernel gradient) longer than the step's
+        own GEMMs together.
         """
         params = dict(
             self.params, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
         )
-        if self.primitive.name == "ragged_dot_general":
-            by_rows = _grouped_gemm_lines(a32, b32_lines, rest, params)
+        if self.summed == 1 and self.primitive.name == "ragged_dot_general":
+            by_rows = _grouped_gemm_lines(a32, b32, rest, params)
             if by_rows is not None:
                 return by_rows
-        ungrouped = 1 < self.groups <= ungrouped_convolution_groups()
+        ungrouped = self.summed == 1 and 1 < self.groups <= ungrouped_convolution_groups()
         if self.primitive.name != "conv_general_dilated" or not ungrouped:
-            return self.primitive.bind(a32, b32_lines, *rest, **params)
+            return self.primitive.bind(a32, b32, *rest, **params)
         numbers = params["dimension_numbers"]
         if params["feature_group_count"] > 1:
-            dense = _block_diagonal(b32_lines, numbers.rhs_spec[1], numbers.rhs_spec[0])
+            dense = _block_diagonal(b32, numbers.rhs_spec[1], numbers.rhs_spec[0])
             return self.primitive.bind(a32, dense, **dict(params, feature_group_count=1))
         # Batch groups: every output feature (one per group) from every batch group, then
         # each group's own, the diagonal (a batch group is a block of consecutive rows).
-        every = self.primitive.bind(a32, b32_lines, **dict(params, batch_group_count=1))
+        every = self.primitive.bind(a32, b32, **dict(params, batch_group_count=1))
         return _diagonal(every, numbers.out_spec[0], numbers.out_spec[1], self.groups)
+
+
+def _sums_the_batch(batch: int, per_group: int, params: dict) -> bool:
+    """Whether a convolution's check sums ``A`` along its batch axis rather than ``B`` along
+    its output features: where the batch is the longer line. The check's convolutions are then
+    of one example, where ``B``'s lines make them of one output feature per group (a depthwise
+    convolution's own size, or on XLA:CPU a dense one of as many outputs as groups). A
+    batch-grouped convolution's batch is not free."""
+    return params["batch_group_count"] == 1 and batch > per_group
 
 
 def primitive_verdict(
@@ -211,14 +242,21 @@ def primitive_verdict(
       config: ``safety``, ``correct``.
     """
     f32 = jnp.float32
-    b32 = b.astype(f32)
-    v = gemm.line_sums(b32, gemm.rhs_free)
-    w = gemm.line_sums(jnp.abs(b32), gemm.rhs_free)
-    # One power of two for the whole call, from the largest |B|e: nothing overflows below.
+    operands = [a.astype(f32), b.astype(f32)]
+    summed = operands[gemm.summed]
+    v = gemm.line_sums(summed, gemm.free)
+    w = gemm.line_sums(jnp.abs(summed), gemm.free)
+    # One power of two for the whole call, from the largest line sum of |X|: nothing
+    # overflows below.
     scale = power_of_two_below(jnp.max(w)) if w.size else jnp.ones((), f32)
-    a32 = a.astype(f32)
-    ref = gemm.lines(a32, v * scale, rest)
-    magnitude = gemm.lines(jnp.abs(a32), w * scale, rest)
+
+    def lines(x, other):
+        pair = [x, other] if gemm.summed == 0 else [other, x]
+        return gemm.lines(*pair, rest)
+
+    other = operands[1 - gemm.summed]
+    ref = lines(v * scale, other)
+    magnitude = lines(w * scale, jnp.abs(other))
     line_length = c.shape[gemm.out_free[0]] // gemm.groups if gemm.groups > 1 else None
 
     def check(c) -> RowCheck:
@@ -276,7 +314,13 @@ def primitive_verdict(
 
 
 def checked_primitive_gemm(
-    eqn, invals: Sequence, *, site: str, config: ABFTConfig, plan: FaultPlan | None
+    eqn,
+    invals: Sequence,
+    *,
+    site: str,
+    config: ABFTConfig,
+    plan: FaultPlan | None,
+    sharded: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """A grouped GEMM or convolution equation computed, injected into at ``site`` and checked.
 
@@ -286,12 +330,13 @@ def checked_primitive_gemm(
       site: its site name.
       config: the check's settings (``correct``, ``repair``, ``safety``).
       plan: the faults to inject, or None.
+      sharded: whether the step runs on a mesh (its checks then keep to lines along ``B``).
 
     Returns:
       ``(c, counts)``: the output, its failed lines computed again where the check found any,
       and int32 ``[detected, corrected, uncorrectable, nonfinite_input]``.
     """
-    gemm = PrimitiveGemm.of(eqn)
+    gemm = PrimitiveGemm.of(eqn, whole_batch=not sharded)
     a, b, *rest = invals
     a, b = as_stored(a), as_stored(b)
     c = gemm.compute(a, b, rest)

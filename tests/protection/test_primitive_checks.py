@@ -19,6 +19,7 @@ import pytest
 import sdcguard
 from sdcguard.fault_model import Fault, FaultPlan
 from sdcguard.protection import ABFTConfig, _primitive_checks as primitive_checks, list_sites, total
+from sdcguard.protection._primitive_checks import PrimitiveGemm
 
 from tests.helpers.checked_runs import run_with, with_plan
 from tests.helpers.multidevice import needs_8, run_on_8_devices
@@ -57,7 +58,8 @@ class Model(nn.Module):
 
 
 class ConvNet(nn.Module):
-    """A strided patch embedding, a grouped 3x3 convolution, a linear head (NHWC)."""
+    """A strided patch embedding, a grouped 3x3 convolution, a depthwise one (checked along the
+    batch), a linear head (NHWC)."""
 
     dtype: jnp.dtype = jnp.float32
 
@@ -65,6 +67,7 @@ class ConvNet(nn.Module):
     def __call__(self, x):  # x: [batch, 8, 8, 3]
         x = nn.Conv(16, (2, 2), strides=2, dtype=self.dtype, name="patches")(x)
         x = x + nn.gelu(nn.Conv(16, (3, 3), feature_group_count=4, dtype=self.dtype, name="mix")(x))
+        x = x + nn.Conv(16, (3, 3), feature_group_count=16, dtype=self.dtype, name="depthwise")(x)
         return nn.Dense(4, dtype=self.dtype, name="head")(x.mean(axis=(1, 2)))
 
 
@@ -108,7 +111,11 @@ GROUPED_SITES = [
 CONV_SITES = [
     "patches:conv_general_dilated",
     "patches:conv_general_dilated.grad_rhs",
-    *[f"mix:conv_general_dilated{d}" for d in ("", ".grad_lhs", ".grad_rhs")],
+    *[
+        f"{layer}:conv_general_dilated{d}"
+        for layer in ("mix", "depthwise")
+        for d in ("", ".grad_lhs", ".grad_rhs")
+    ],
 ]
 SITES = [("moe", s) for s in GROUPED_SITES] + [("conv", s) for s in CONV_SITES]
 KINDS = ["inf", "nan", "bitflip"]
@@ -259,10 +266,24 @@ def convolution_and_gradients(lhs, rhs, cotangent):
     return jax.grad(loss, (0, 1))(lhs, rhs)
 
 
-# Shapes (lhs, rhs, output) with contractions of 256 and 128 terms.
+def depthwise_convolution_and_gradients(lhs, rhs, cotangent):
+    def loss(lhs, rhs):
+        out = jax.lax.conv_general_dilated(
+            lhs, rhs, (1, 1), "SAME", feature_group_count=lhs.shape[-1],
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        )  # fmt: skip
+        return jnp.sum(out * cotangent)
+
+    return jax.grad(loss, (0, 1))(lhs, rhs)
+
+
+# Shapes (lhs, rhs, output) with contractions of 256, 128 and 9 terms (the depthwise
+# convolution's value and input gradient are checked along the batch, its kernel gradient
+# along the kernel's features).
 PRIMITIVES = {
     "ragged_dot": (grouped_gemm_and_gradients, (300, 256), (5, 256, 64), (300, 64)),
     "convolution": (convolution_and_gradients, (4, 12, 10, 32), (4, 2, 16, 32), (4, 6, 9, 32)),
+    "depthwise": (depthwise_convolution_and_gradients, (6, 9, 8, 16), (3, 3, 1, 16), (6, 9, 8, 16)),
 }
 
 
@@ -364,11 +385,12 @@ def _lines_both_ways(eqn, rest=()):
     gemm = primitive_checks.PrimitiveGemm.of(eqn)
     a = jax.random.normal(jax.random.key(8), eqn.invars[0].aval.shape)
     b = jax.random.normal(jax.random.key(9), eqn.invars[1].aval.shape)
-    b_lines = gemm.line_sums(b, gemm.rhs_free)
+    operands = [a, b]
+    operands[gemm.summed] = gemm.line_sums(operands[gemm.summed], gemm.free)
     params = dict(
         gemm.params, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
     )
-    return gemm.lines(a, b_lines, rest), eqn.primitive.bind(a, b_lines, *rest, **params)
+    return gemm.lines(*operands, rest), eqn.primitive.bind(*operands, *rest, **params)
 
 
 def test_a_grouped_gemms_lines_from_its_rows_by_group_equal_the_primitives():
@@ -401,6 +423,23 @@ def test_a_grouped_convolutions_lines_computed_ungrouped_equal_the_primitives():
     for eqn in eqns:
         ungrouped, primitive = _lines_both_ways(eqn)
         np.testing.assert_allclose(ungrouped, primitive, rtol=1e-5, atol=1e-5)
+
+
+def test_a_convolution_is_checked_along_its_batch_where_that_is_the_longer_line():
+    # A depthwise convolution (one output feature per group) of a batch of 6: its value and
+    # input gradient are checked along the batch; its kernel gradient, batch-grouped, along
+    # the kernel's features. An ordinary convolution of 32 features keeps its feature lines.
+    fn, lhs_shape, rhs_shape, out_shape = PRIMITIVES["depthwise"]
+    args = [jnp.ones(shape) for shape in (lhs_shape, rhs_shape, out_shape)]
+    eqns = _equations(fn, *args, primitive="conv_general_dilated")
+    summed = {e.params["batch_group_count"] > 1: PrimitiveGemm.of(e).summed for e in eqns}
+    assert len(eqns) == 3 and summed == {False: 0, True: 1}, summed
+    fn, *shapes = PRIMITIVES["convolution"]
+    eqns = _equations(fn, *[jnp.ones(shape) for shape in shapes], primitive="conv_general_dilated")
+    assert [PrimitiveGemm.of(e).summed for e in eqns] == [1, 1, 1]
+    for eqn in eqns:
+        lines, primitive = _lines_both_ways(eqn)
+        np.testing.assert_allclose(lines, primitive, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
