@@ -25,6 +25,17 @@ def reductions_share_a_pass(backend: str | None = None) -> bool:
     return (backend or jax.default_backend()) != "cpu"
 
 
+def outer_sums_as_products(backend: str | None = None) -> bool:
+    """Whether a sum along a tensor's leading (outermost) axes runs best as a product with a
+    vector of ones.
+
+    True on XLA:CPU, whose reduction over a leading axis measured 30-50x slower than the same
+    sum as a matrix-vector product (docs/performance.md, "Grouped GEMMs and convolutions");
+    False elsewhere, where a reduction fuses with what it reads.
+    """
+    return (backend or jax.default_backend()) == "cpu"
+
+
 def ungrouped_convolution_groups(backend: str | None = None) -> int:
     """Up to how many groups a convolution's check runs as one ungrouped convolution.
 

@@ -31,7 +31,7 @@ from jax import lax
 
 from sdcguard import fault_model
 from sdcguard.fault_model import FaultPlan
-from sdcguard.protection._backend import ungrouped_convolution_groups
+from sdcguard.protection._backend import outer_sums_as_products, ungrouped_convolution_groups
 from sdcguard.protection._checks import Verdict, apply_verdicts, check_scope
 from sdcguard.protection._checksums import RowCheck, power_of_two_below
 from sdcguard.protection._config import ABFTConfig, count_outcomes
@@ -182,7 +182,7 @@ class PrimitiveGemm(NamedTuple):
     def line_sums(self, x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
         """``x`` summed along ``axes`` (kept, as ``groups`` lines each)."""
         if self.groups == 1:
-            return jnp.sum(x, axis=axes, keepdims=True)
+            return _sum_kept(x, axes)
         (axis,) = axes
         shape = x.shape
         split = (*shape[:axis], self.groups, shape[axis] // self.groups, *shape[axis + 1 :])
@@ -218,6 +218,19 @@ class PrimitiveGemm(NamedTuple):
         # each group's own, the diagonal (a batch group is a block of consecutive rows).
         every = self.primitive.bind(a32, b32, **dict(params, batch_group_count=1))
         return _diagonal(every, numbers.out_spec[0], numbers.out_spec[1], self.groups)
+
+
+def _sum_kept(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """``jnp.sum(x, axes, keepdims=True)``; along leading axes, as a product with ones where
+    the backend sums those slowly (:func:`outer_sums_as_products`)."""
+    leading = tuple(sorted(axes)) == tuple(range(len(axes)))
+    if not (leading and axes and outer_sums_as_products()):
+        return jnp.sum(x, axis=axes, keepdims=True)
+    summed = math.prod(x.shape[: len(axes)])
+    rows = x.reshape(summed, -1)
+    ones = jnp.ones((summed,), x.dtype)
+    total = jnp.dot(ones, rows, precision=lax.Precision.HIGHEST, preferred_element_type=x.dtype)
+    return total.reshape((1,) * len(axes) + x.shape[len(axes) :])
 
 
 def _sums_the_batch(batch: int, per_group: int, params: dict) -> bool:

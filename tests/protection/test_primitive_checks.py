@@ -480,3 +480,11 @@ def test_rows_in_no_group_are_read_by_nothing_not_even_their_nans(dtype):
     np.testing.assert_array_equal(total(report), [0, 0, 0, 0])
     assert len(report) == 2  # the forward GEMM and the weight gradient
     jax.tree.map(lambda p, q: assert_close(p, q, dtype), out, jax.jit(step)(w, x))
+
+
+@pytest.mark.parametrize("axes", [(0,), (0, 1), (1,), (3,)])
+def test_line_sums_along_leading_axes_as_a_product_equal_the_sum(axes):
+    # On XLA:CPU a sum along leading axes runs as a product with ones; elsewhere jnp.sum.
+    x = jax.random.normal(jax.random.key(10), (6, 5, 4, 3)) * 1e3
+    fast = jax.jit(lambda x: primitive_checks._sum_kept(x, axes))(x)
+    np.testing.assert_allclose(fast, jnp.sum(x, axis=axes, keepdims=True), rtol=1e-6, atol=1e-3)
