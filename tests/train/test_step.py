@@ -1,5 +1,7 @@
 """sdcguard.train.protected_step: checked gradients into the guard, in fp32, bf16 and fp16."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,17 @@ class MLP(nn.Module):
 
 
 def setup(dtype=jnp.float32, **kwargs):
+    """A protected step of the MLP, its first state and a batch; one per dtype when built with
+    the defaults (its compiled step then serves every test of this module)."""
+    return _default_setup(dtype) if not kwargs else _setup(dtype, **kwargs)
+
+
+@functools.cache
+def _default_setup(dtype):
+    return _setup(dtype)
+
+
+def _setup(dtype, **kwargs):
     model = MLP(dtype)
     x = jax.random.normal(jax.random.key(1), (8, 16))
     y = jax.random.normal(jax.random.key(2), (8, 4))
