@@ -124,7 +124,7 @@ def test_scan_carries_forward_and_backward_counters():
     model = Scanned(("params", "sdc", "sdc_grad"))
     x = x_input()
     with sl.protect():
-        params = model.init(jax.random.key(0), x)["params"]
+        params = jax.jit(model.init)(jax.random.key(0), x)["params"]
         sinks = sl.init_sinks(model, x)
     assert sinks["layers"]["attn"]["sinks"].shape[0] == 2  # one sink per scanned layer
 
@@ -137,12 +137,13 @@ def test_scan_carries_forward_and_backward_counters():
 
         return jax.grad(loss, argnums=(0, 1), has_aux=True)(params, sinks)
 
-    (clean, _), _ = grads(params, sinks, NONE)
+    (clean, _), _ = grads(params, sinks, FaultPlan.from_faults([], capacity=2))  # one compile
     plan = FaultPlan.from_faults(
         [
             Fault(site="layers/attn:scores", kind="nan", index=3),
             Fault(site="layers/attn:context.grad_rhs", kind="inf", index=5),
-        ]
+        ],
+        capacity=2,
     )
     (g, sink_grads), sdc = grads(params, sinks, plan)
     # The fault fires in both scanned layers; the counters of both come out, summed per site.
