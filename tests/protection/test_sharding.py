@@ -41,13 +41,21 @@ def one_inf(site):
     return FaultPlan.from_faults([Fault(site=site, kind="inf", index=3)], capacity=2)
 
 
-def run_with(plan, fn, *args):
+@functools.cache
+def _with_plan(fn):
+    """``fn`` jitted with a fault plan as its first argument: one compilation for every plan
+    of a capacity (and mesh)."""
+
     @jax.jit
     def go(plan, *args):
         with sdcguard.faults(plan):
             return fn(*args)
 
-    return go(plan, *args)
+    return go
+
+
+def run_with(plan, fn, *args):
+    return _with_plan(fn)(plan, *args)
 
 
 def assert_trees_close(a, b):
