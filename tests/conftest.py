@@ -1,15 +1,17 @@
 """Settings of the test session, applied before JAX starts its backend.
 
-The programs under test are small and each is compiled about once, so XLA's compile time, most
-of it LLVM optimising the CPU code, is most of the suite's time. The tests turn LLVM's
-optimisation down (about 30% less time on this suite). XLA's own HLO passes run as usual and
-LLVM does not reorder floating-point arithmetic at any level (no fast-math), but at its default
-level it contracts a multiply and an add into one fused multiply-add, which rounds once: a
-result can differ in its last bits from what users run. Tests of numerical claims hold at both
-(their tolerances cover an ulp); a claim that two compiled computations round alike (the replay
-of a healthy node against itself, ``tests/replay/test_models.py``) runs its program in a
-subprocess with XLA's defaults. Benchmarks in ``scripts/`` keep XLA's defaults. Flags already
-in ``XLA_FLAGS`` come last and win.
+The programs under test are small and each is compiled about once, so XLA's compile time is
+most of the suite's time. The tests compile with XLA:CPU's LLVM optimisation turned down and
+its older fusion emitters (``tests/helpers/xla_settings.py``: about half the suite's time).
+XLA's own HLO passes run as usual and LLVM does not reorder floating-point arithmetic at any
+level (no fast-math), but at its default level it contracts a multiply and an add into one
+fused multiply-add, which rounds once, and the two emitters may round an elementwise function
+differently: a result can differ in its last bits from what users run. Tests of numerical
+claims hold at both (their tolerances cover an ulp); a claim that two compiled computations
+round alike (the replay of a healthy node against itself, ``tests/replay/test_models.py``) runs
+its program in a subprocess with XLA's defaults, and a claim about what the emitters decide
+compiles with them (``compile_as_users_do``). Benchmarks in ``scripts/`` keep XLA's defaults.
+Flags already in ``XLA_FLAGS`` come last and win.
 
 Importing JAX does not start its backend: the settings below still apply.
 """
@@ -21,13 +23,14 @@ import tempfile
 
 import jax
 
+from tests.helpers.xla_settings import fast_compile_flags
+
 # Mosaic GPU interpret mode (the kernels' tests) blocks XLA:CPU pool threads in barrier waits
 # and needs at least four of them (sdcguard.protection.pallas._platform.require_interpreter_pool);
 # the pool is one thread per CPU unless PJRT_NPROC says otherwise, read when JAX starts.
 os.environ.setdefault("PJRT_NPROC", "4")
 
-_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
-os.environ["XLA_FLAGS"] = " ".join([*_FAST_COMPILE, os.environ.get("XLA_FLAGS", "")]).strip()
+os.environ["XLA_FLAGS"] = f"{fast_compile_flags()} {os.environ.get('XLA_FLAGS', '')}".strip()
 
 # A persistent compilation cache for this test process alone (a fresh directory, removed at
 # exit): the suite compiles the same programs many times over from new function objects (a

@@ -19,6 +19,7 @@ from sdcguard.protection._checks import check_scope, recompute_strategy, repair_
 from sdcguard.protection._walk import sub_jaxprs
 
 from tests.helpers.tolerances import assert_close
+from tests.helpers.xla_settings import compile_as_users_do
 
 SPEC = "bmk,bkn->bmn"
 SITE = "t:gemm"
@@ -180,7 +181,7 @@ def _control_flow(repair) -> dict[str, int]:
     plan = FaultPlan.from_faults([], capacity=1)
     config = ABFTConfig(repair=repair)
     fn = lambda a, b, p: checked_einsum(SPEC, a, b, site=SITE, plan=p, config=config)
-    hlo = jax.jit(fn).lower(a, b, plan).compile().as_text()
+    hlo = compile_as_users_do(jax.jit(fn).lower(a, b, plan)).as_text()
     return {
         op: len(re.findall(rf"^\s*(?:ROOT )?%\S+ = .* {op}\(", hlo, re.M))
         for op in ("conditional", "while")

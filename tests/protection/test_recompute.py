@@ -19,6 +19,7 @@ from sdcguard.fault_model import Fault, FaultPlan
 from sdcguard.protection import list_sites, total
 
 from tests.helpers.tolerances import assert_close
+from tests.helpers.xla_settings import compile_as_users_do
 from tests.protection.test_gemm import lm_step
 
 
@@ -50,7 +51,7 @@ def test_a_checked_bf16_steps_control_flow(config, loops, conditionals_per_gemm)
     checked = (
         0 if config is None else sum(s.checked for s in list_sites(step, *args, config=config))
     )
-    text = jax.jit(fn).lower(*args).compile().as_text()
+    text = compile_as_users_do(jax.jit(fn).lower(*args)).as_text()
     found = control_flow(text)
     if conditionals_per_gemm == "grouped":
         # Every backward pair shares one: at most half a conditional per GEMM, and one at least.
