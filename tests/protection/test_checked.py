@@ -355,22 +355,26 @@ def test_a_step_with_drop_in_layers_is_checked_whole_and_injected_once(dtype):
     # The MLP's six GEMMs and the layer's own, so that checked's report, which the guard
     # reads, covers every GEMM of the step.
     assert len([n for n in checked if "mlp_" in n]) == 6, checked
-    clean, report = jax.jit(sdcguard.checked(step))(*args)
-    assert set(report) == checked
-    np.testing.assert_array_equal(total(report), [0, 0, 0, 0])
-    np.testing.assert_array_equal(protected.total_counts(clean[2]), [0, 0, 0, 0])
-
     # A fault at the layer's site is the layer's to inject and correct, once, even where
     # checked names the layer's GEMM the same (in bf16 and fp16: attn:scores); one at the MLP
     # is checked's.
-    scores = next(n for n in protected.site_counts(clean[2]) if n.endswith(":scores"))
+    layer_sites = protected.site_counts(  # the layer's own sites, from shapes alone
+        jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), jax.eval_shape(step, *args)[2])
+    )
+    scores = next(n for n in layer_sites if n.endswith(":scores"))
     mlp = next(n for n in checked if n.endswith("mlp_in:dot_general"))
 
     @jax.jit
     def faulty(plan, *args):
-        # Injection code at the two sites faulted alone: the step compiles as fast as clean.
+        # Injection code at the two sites faulted alone: one compilation, clean runs included.
         with sdcguard.faults(plan), restrict_sites({scores, mlp}):
             return sdcguard.checked(step)(*args)
+
+    clean, report = faulty(FaultPlan.from_faults([], capacity=2), *args)
+    assert set(report) == checked
+    np.testing.assert_array_equal(total(report), [0, 0, 0, 0])
+    np.testing.assert_array_equal(protected.total_counts(clean[2]), [0, 0, 0, 0])
+    assert set(protected.site_counts(clean[2])) == set(layer_sites)
 
     assert (scores in checked) == (dtype != jnp.float32)  # the names collide in bf16 and fp16
     for site, layer_counts, checked_counts in (
