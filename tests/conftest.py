@@ -23,7 +23,7 @@ import tempfile
 
 import jax
 
-from tests.helpers.xla_settings import fast_compile_flags
+from tests.helpers.xla_settings import JAXLIB_VERSION, fast_compile_flags
 
 # Mosaic GPU interpret mode (the kernels' tests) blocks XLA:CPU pool threads in barrier waits
 # and needs at least four of them (sdcguard.protection.pallas._platform.require_interpreter_pool);
@@ -37,10 +37,13 @@ os.environ["XLA_FLAGS"] = f"{fast_compile_flags()} {os.environ.get('XLA_FLAGS', 
 # test's own jit of a lambda, a fixture per parameter), and XLA's compile is most of its time.
 # The cache's key includes the programs' metadata (op names carry the checks' site names, which
 # tests read back from compiled HLO). Set with jax.config, not the environment, so that the
-# processes tests start (which may run side by side) do not share it.
-_CACHE_DIR = tempfile.mkdtemp(prefix="sdcguard-tests-xla-cache-")
-atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
+# processes tests start (which may run side by side) do not share it. With jaxlib 0.10 alone:
+# jaxlib 0.12's XLA:CPU crashed the process once writing an entry (a segmentation fault in
+# `executable.serialize()`, in CI at ee8e5d3), and a crash loses the test run.
+if JAXLIB_VERSION < (0, 11):
+    _CACHE_DIR = tempfile.mkdtemp(prefix="sdcguard-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_compilation_cache_include_metadata_in_key", True)

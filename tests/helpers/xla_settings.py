@@ -20,9 +20,10 @@ Example:
 import jax
 import jaxlib
 
+JAXLIB_VERSION = tuple(int(part) for part in jaxlib.__version__.split(".")[:2])
 # The older emitters, and the flag that picks them, are gone from jaxlib 0.11's XLA (an
 # unknown flag in XLA_FLAGS stops the process).
-HAS_OLDER_EMITTERS = tuple(int(part) for part in jaxlib.__version__.split(".")[:2]) < (0, 11)
+HAS_OLDER_EMITTERS = JAXLIB_VERSION < (0, 11)
 
 # flag: (the suite's value, XLA's default)
 FAST_COMPILE = {
