@@ -1,8 +1,8 @@
 """Settings of the test session, applied before JAX starts its backend.
 
 The programs under test are small and each is compiled about once, so XLA's compile time is
-most of the suite's time. The tests compile with XLA:CPU's LLVM optimisation turned down and
-its older fusion emitters (``tests/helpers/xla_settings.py``: about half the suite's time).
+most of the suite's time. The tests compile with XLA:CPU's LLVM optimisation turned down and,
+with jaxlib 0.10, its older fusion emitters (``tests/helpers/xla_settings.py``).
 XLA's own HLO passes run as usual and LLVM does not reorder floating-point arithmetic at any
 level (no fast-math), but at its default level it contracts a multiply and an add into one
 fused multiply-add, which rounds once, and the two emitters may round an elementwise function
